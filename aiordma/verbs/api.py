@@ -1,0 +1,330 @@
+"""The provider interface: the verbs object model every provider implements.
+
+Everything above ``aiordma/verbs/`` programs against these abstract classes only. A
+provider (``soft``, ``verbs``) subclasses them. Contracts common to all providers:
+
+* Objects are closed with ``close()``; closing twice is a no-op. Closing a parent with
+  live children is refused with ``RDMAError`` (EBUSY), as ibv_dealloc_pd etc. do.
+* ``QP.post_send``/``post_recv`` take a *list* (the chain). A chain is checked whole
+  before anything is posted: on refusal nothing of it is posted and ``PostError`` is
+  raised (EINVAL: QP state or bad WR; ENOMEM: queue full). Completions of one QP's send
+  queue arrive in posting order; so do those of its receive queue.
+* Unsignaled send WRs produce no completion on success, and their send-queue slots are
+  released only when a later signaled WR of the same QP completes and is polled (as on
+  hardware). An unsignaled WR that fails does produce an error completion.
+* ``CQ.poll(n)`` returns up to ``n`` completions and never blocks; after an overrun it
+  raises ``CQOverrunError`` forever.
+* Completion channel: ``CQ.req_notify()`` arms once; one event is queued on the
+  channel for the first completion added *after* arming, then the CQ is disarmed.
+  ``CompChannel.fd`` is a non-blocking file descriptor that is readable while events are
+  queued; ``get_event()`` returns the CQ of the next event or ``None`` (EAGAIN). Every
+  event must be acknowledged with ``CQ.ack_events(n)`` before the CQ is closed.
+* Methods are called from one thread (the event loop's); providers may run their own
+  threads internally.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import Any
+
+from .enums import MTU, Access, EventType, LinkLayer, PortState, QPState
+from .wr import WC, RecvWR, SendWR
+
+
+@dataclasses.dataclass(frozen=True)
+class PortInfo:
+    """What ``list_devices()`` reports of one port."""
+
+    port_num: int
+    state: PortState
+    link_layer: LinkLayer
+    active_mtu: MTU
+    lid: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceInfo:
+    """One device as listed by ``aiordma.list_devices()``."""
+
+    name: str
+    provider: str
+    ports: tuple[PortInfo, ...]
+
+    @property
+    def active(self) -> bool:
+        """True when at least one port is ACTIVE."""
+        return any(p.state == PortState.ACTIVE for p in self.ports)
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceAttr:
+    """The subset of ibv_device_attr aiordma uses."""
+
+    max_qp_wr: int
+    max_sge: int
+    max_cqe: int
+    max_mr_size: int
+    max_qp_rd_atom: int
+    max_qp_init_rd_atom: int
+    max_inline_data: int = 0
+    atomic_cap: int = 1  # 0 = none, 1 = HCA-atomic, 2 = global
+    vendor: str = ""
+    fw_ver: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class PortAttr:
+    """The subset of ibv_port_attr aiordma uses."""
+
+    state: PortState
+    active_mtu: MTU
+    max_mtu: MTU
+    lid: int
+    gid_tbl_len: int
+    link_layer: LinkLayer
+    max_msg_sz: int
+
+
+@dataclasses.dataclass
+class AHAttr:
+    """Address of the remote port (ibv_ah_attr subset).
+
+    RoCE: ``is_global`` with ``dgid`` (16 bytes) and ``sgid_index``; InfiniBand: ``dlid``.
+    The ``soft`` provider uses ``dgid`` (IPv4-mapped address of the peer device) and
+    ``dlid`` (the peer device's TCP port).
+    """
+
+    dgid: bytes = b"\0" * 16
+    dlid: int = 0
+    sgid_index: int = 0
+    is_global: bool = True
+    hop_limit: int = 64
+    port_num: int = 1
+    sl: int = 0
+
+
+@dataclasses.dataclass
+class QPCap:
+    """Queue sizes of a QP (ibv_qp_cap)."""
+
+    max_send_wr: int = 128
+    max_recv_wr: int = 128
+    max_send_sge: int = 1
+    max_recv_sge: int = 1
+    max_inline_data: int = 0
+
+
+@dataclasses.dataclass
+class QPAttr:
+    """Attributes for ``QP.modify`` (ibv_qp_attr subset); ``qp_state`` is the target.
+
+    Required per transition (as rdma-core): RESET->INIT: port_num, pkey_index,
+    qp_access_flags. INIT->RTR: path_mtu, dest_qp_num, rq_psn, max_dest_rd_atomic,
+    min_rnr_timer, ah_attr. RTR->RTS: sq_psn, timeout, retry_cnt, rnr_retry,
+    max_rd_atomic. Any->ERR / RESET: nothing.
+    """
+
+    qp_state: QPState
+    port_num: int = 1
+    pkey_index: int = 0
+    qp_access_flags: Access = Access(0)
+    path_mtu: MTU = MTU.MTU_1024
+    dest_qp_num: int = 0
+    rq_psn: int = 0
+    sq_psn: int = 0
+    max_dest_rd_atomic: int = 1
+    max_rd_atomic: int = 1
+    min_rnr_timer: int = 12
+    timeout: int = 14
+    retry_cnt: int = 7
+    rnr_retry: int = 7
+    ah_attr: AHAttr | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class AsyncEvent:
+    """A device async event (already acknowledged by the provider).
+
+    ``qp_num`` is set for QP events, ``port_num`` for port events, ``cq`` for CQ_ERR.
+    """
+
+    event_type: EventType
+    qp_num: int | None = None
+    port_num: int | None = None
+    cq: CQ | None = None
+
+
+class MR(abc.ABC):
+    """A registered memory region. ``view`` is a byte memoryview of the whole region."""
+
+    addr: int
+    length: int
+    lkey: int
+    rkey: int
+    access: Access
+    view: memoryview
+    pd: PD
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Deregister; remote access with its rkey fails from now on. Idempotent."""
+
+
+class CompChannel(abc.ABC):
+    """A completion event channel with a pollable, non-blocking ``fd``."""
+
+    fd: int
+
+    @abc.abstractmethod
+    def get_event(self) -> CQ | None:
+        """The CQ of the next queued event, or ``None`` if none is queued. Never blocks."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Destroy; refused (RDMAError EBUSY) while CQs use it. Idempotent."""
+
+
+class CQ(abc.ABC):
+    """A completion queue of capacity ``cqe``, optionally bound to a channel."""
+
+    cqe: int
+    channel: CompChannel | None
+
+    @abc.abstractmethod
+    def poll(self, n: int = 16) -> list[WC]:
+        """Up to ``n`` completions, oldest first; ``[]`` when empty. Raises CQOverrunError."""
+
+    @abc.abstractmethod
+    def req_notify(self, solicited_only: bool = False) -> None:
+        """Arm: one channel event for the next completion added after this call."""
+
+    @abc.abstractmethod
+    def ack_events(self, n: int) -> None:
+        """Acknowledge ``n`` events obtained from the channel for this CQ."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Destroy; refused (EBUSY) while QPs use it or events are unacknowledged."""
+
+
+class QP(abc.ABC):
+    """A reliable-connected queue pair."""
+
+    qp_num: int
+    cap: QPCap
+    pd: PD
+    send_cq: CQ
+    recv_cq: CQ
+
+    @property
+    @abc.abstractmethod
+    def state(self) -> QPState:
+        """The current state (ERR after an error completion or ``modify`` to ERR)."""
+
+    @abc.abstractmethod
+    def modify(self, attr: QPAttr) -> None:
+        """Transition to ``attr.qp_state``; illegal transitions raise RDMAError (EINVAL).
+
+        Moving to ERR flushes every outstanding WR of both queues with WR_FLUSH_ERR
+        (in order, after any completion already generated).
+        """
+
+    @abc.abstractmethod
+    def post_send(self, wrs: list[SendWR]) -> None:
+        """Post a chain of send WRs (see module contract). Raises PostError, ValueError."""
+
+    @abc.abstractmethod
+    def post_recv(self, wrs: list[RecvWR]) -> None:
+        """Post a chain of receive WRs. Raises PostError."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Destroy the QP (outstanding WRs are dropped without completions). Idempotent."""
+
+
+class PD(abc.ABC):
+    """A protection domain: MRs and QPs of one PD only work together."""
+
+    context: Context
+
+    @abc.abstractmethod
+    def reg_mr(self, buffer: Any, access: Access = Access.LOCAL_WRITE) -> MR:
+        """Register a writable buffer-protocol object.
+
+        Raises TypeError (read-only / non-contiguous), RegistrationError (REMOTE_WRITE or
+        REMOTE_ATOMIC without LOCAL_WRITE, or provider refusal). The buffer stays pinned
+        (cannot be resized) until ``MR.close()``.
+        """
+
+    @abc.abstractmethod
+    def create_qp(self, send_cq: CQ, recv_cq: CQ, cap: QPCap) -> QP:
+        """A new RC QP in RESET. Raises RDMAError if ``cap`` exceeds device limits."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Deallocate; refused (EBUSY) while MRs or QPs remain. Idempotent."""
+
+
+class Context(abc.ABC):
+    """An open device."""
+
+    name: str
+    provider: str
+
+    @abc.abstractmethod
+    def query_device(self) -> DeviceAttr: ...
+
+    @abc.abstractmethod
+    def query_port(self, port_num: int = 1) -> PortAttr: ...
+
+    @abc.abstractmethod
+    def query_gid(self, port_num: int = 1, index: int = 0) -> bytes:
+        """The 16-byte GID at ``index`` (all zeros for an unused entry)."""
+
+    @abc.abstractmethod
+    def gid_index_for(self, ip: str, port_num: int = 1) -> int:
+        """The GID index whose address is ``ip`` (RoCE v2: the IPv4-mapped GID).
+
+        Raises DeviceError with a clear message when no GID matches.
+        """
+
+    @abc.abstractmethod
+    def alloc_pd(self) -> PD: ...
+
+    @abc.abstractmethod
+    def create_comp_channel(self) -> CompChannel: ...
+
+    @abc.abstractmethod
+    def create_cq(self, cqe: int, channel: CompChannel | None = None) -> CQ:
+        """A CQ with room for at least ``cqe`` completions."""
+
+    @property
+    @abc.abstractmethod
+    def async_fd(self) -> int:
+        """A non-blocking fd readable while device async events are queued."""
+
+    @abc.abstractmethod
+    def get_async_events(self) -> list[AsyncEvent]:
+        """Drain (and acknowledge) every queued async event; never blocks."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Close the device; refused (EBUSY) while PDs, CQs or channels remain."""
+
+
+class Provider(abc.ABC):
+    """A provider: discovers and opens devices."""
+
+    name: str
+
+    @abc.abstractmethod
+    def list_devices(self) -> list[DeviceInfo]: ...
+
+    @abc.abstractmethod
+    def open(self, name: str | None = None) -> Context:
+        """Open device ``name`` (first device with an active port when ``None``).
+
+        Raises DeviceError when there is no such device.
+        """

@@ -1,0 +1,118 @@
+"""Shared fixtures: provider and event-loop parametrisation, hard timeouts.
+
+* ``provider_name``: the provider under test: ``AIORDMA_PROVIDER`` (default ``soft``).
+  With ``verbs`` and no ACTIVE port the tests needing a device skip (in the rxe VM the
+  runner itself fails when no port is active, so nothing is skipped silently there).
+* Every async test runs on both the default asyncio loop and uvloop (when installed),
+  through pytest-asyncio's ``event_loop_policy`` fixture.
+* Every async test has a hard in-loop timeout (``AIORDMA_TEST_TIMEOUT``, default 60 s,
+  or its ``timeout`` marker) that prints every task's stack on expiry; pytest-timeout
+  (thread method, 300 s in pyproject) is the last resort for anything else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import inspect
+import io
+import os
+
+import pytest
+
+try:
+    import uvloop
+except ImportError:  # pragma: no cover - uvloop is in the test extra
+    uvloop = None
+
+LOOPS = ["asyncio"] + (["uvloop"] if uvloop is not None else [])
+
+
+@pytest.fixture(scope="session")
+def provider_name() -> str:
+    name = os.environ.get("AIORDMA_PROVIDER", "soft")
+    if name == "verbs":
+        from aiordma.verbs import get_provider
+
+        try:
+            devs = get_provider("verbs").list_devices()
+        except Exception as exc:  # pragma: no cover - depends on the machine
+            pytest.skip(f"verbs provider unavailable: {exc}")
+        if not any(d.active for d in devs):
+            pytest.skip("no ACTIVE RDMA port for the verbs provider")
+    return name
+
+
+try:  # pytest-asyncio >= 1.3: loop factories parametrise only the async tests
+    from pytest_asyncio.plugin import PytestAsyncioSpecs  # noqa: F401
+
+    _HAVE_FACTORIES = hasattr(PytestAsyncioSpecs, "pytest_asyncio_loop_factories")
+except ImportError:  # pragma: no cover - older pytest-asyncio (e.g. Debian's)
+    _HAVE_FACTORIES = False
+
+if _HAVE_FACTORIES:
+
+    def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict:
+        factories = {"asyncio": asyncio.new_event_loop}
+        if uvloop is not None:
+            factories["uvloop"] = uvloop.new_event_loop
+        return factories
+
+else:  # pragma: no cover
+
+    @pytest.fixture(params=LOOPS)
+    def event_loop_policy(request: pytest.FixtureRequest) -> asyncio.AbstractEventLoopPolicy:
+        if request.param == "uvloop":
+            assert uvloop is not None
+            return uvloop.EventLoopPolicy()
+        return asyncio.DefaultEventLoopPolicy()
+
+
+@pytest.fixture
+def ctx(provider_name: str):
+    """An open device context of the provider under test, closed after the test."""
+    from aiordma.verbs import open_context
+
+    c = open_context(provider=provider_name)
+    yield c
+    c.close()
+
+
+ASYNC_TEST_TIMEOUT = float(os.environ.get("AIORDMA_TEST_TIMEOUT", "60"))
+
+
+def _with_hard_timeout(fn, seconds: float):  # type: ignore[no-untyped-def]
+    @functools.wraps(fn)
+    async def wrapper(*args, **kwargs):  # type: ignore[no-untyped-def]
+        task = asyncio.ensure_future(fn(*args, **kwargs))
+        done, _ = await asyncio.wait({task}, timeout=seconds)
+        if task in done:
+            return task.result()
+        stacks = []
+        for t in asyncio.all_tasks():
+            if t is asyncio.current_task():
+                continue
+            buf = io.StringIO()
+            t.print_stack(file=buf)
+            stacks.append(buf.getvalue())
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await asyncio.wait({task}, timeout=5)
+        pytest.fail(f"async test exceeded its hard timeout of {seconds:g}s; tasks:\n"
+                    + "\n".join(stacks), pytrace=False)
+
+    return wrapper
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Every async test runs under a hard in-loop timeout (works on uvloop too, where a
+    SIGALRM handler cannot interrupt the C event loop); on expiry every task's stack is
+    printed and the test fails. pytest-timeout (thread method) stays as the last resort."""
+    for item in items:
+        fn = getattr(item, "obj", None)
+        if fn is None or not inspect.iscoroutinefunction(fn):
+            continue
+        marker = item.get_closest_marker("timeout")
+        seconds = float(marker.args[0]) if marker and marker.args else ASYNC_TEST_TIMEOUT
+        item.obj = _with_hard_timeout(fn, seconds)  # type: ignore[attr-defined]

@@ -1,0 +1,110 @@
+"""DESIGN.md's layers: imports only go downward; pyverbs only in the verbs provider;
+no asyncio in the sans-IO protocol package; no provider imports above aiordma/verbs/."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+PKG = pathlib.Path(__file__).resolve().parent.parent / "aiordma"
+
+# Lower number = lower layer. A module may import only modules of its own or a lower
+# layer (leaf modules such as errors are layer 0).
+LAYERS: dict[str, int] = {
+    "errors": 0,
+    "verbs": 1,
+    "protocol": 1,
+    "memory": 2,
+    "options": 2,
+    "sendq": 2,
+    "cq_reactor": 3,
+    "device": 4,
+    "endpoint": 5,
+    "connection": 6,
+    "transport": 7,
+    "rdma_transport": 7,
+    "streams": 8,
+    "__init__": 9,
+    "__main__": 10,
+    "bench": 10,
+}
+
+
+def _module_key(path: pathlib.Path) -> str:
+    rel = path.relative_to(PKG)
+    return rel.parts[0].removesuffix(".py")
+
+
+def _imports(path: pathlib.Path) -> list[tuple[str, int]]:
+    """(absolute dotted target, line) for every import in ``path``."""
+    tree = ast.parse(path.read_text(), str(path))
+    rel = path.relative_to(PKG.parent).with_suffix("")
+    pkg_parts = list(rel.parts[:-1]) if rel.name != "__init__" else list(rel.parts[:-1])
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(a.name, node.lineno) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = pkg_parts[: len(pkg_parts) - node.level + 1]
+                mod = ".".join(base + ([node.module] if node.module else []))
+                if node.module is None:
+                    out += [(f"{mod}.{a.name}", node.lineno) for a in node.names]
+                    continue
+            else:
+                mod = node.module or ""
+            out.append((mod, node.lineno))
+    return out
+
+
+def _files() -> list[pathlib.Path]:
+    return sorted(PKG.rglob("*.py"))
+
+
+def test_imports_only_go_downward() -> None:
+    bad = []
+    for f in _files():
+        src = _module_key(f)
+        if src not in LAYERS:
+            bad.append(f"{f}: module {src!r} has no layer in tests/test_layering.py")
+            continue
+        for target, line in _imports(f):
+            if not target.startswith("aiordma."):
+                continue
+            dst = target.split(".")[1]
+            if dst == src:
+                continue
+            if dst not in LAYERS:
+                bad.append(f"{f}:{line}: imports unknown module {target}")
+            elif LAYERS[dst] > LAYERS[src] and src != "__init__":
+                bad.append(f"{f}:{line}: {src} (layer {LAYERS[src]}) imports {target} "
+                           f"(layer {LAYERS[dst]})")
+    assert not bad, "\n".join(bad)
+
+
+def test_pyverbs_only_in_the_verbs_provider() -> None:
+    allowed = PKG / "verbs" / "ibverbs"
+    bad = [f"{f}:{line}: {t}" for f in _files() for t, line in _imports(f)
+           if t.split(".")[0] == "pyverbs" and allowed not in f.parents and f != allowed.with_suffix(".py")]
+    assert not bad, "\n".join(bad)
+
+
+def test_protocol_is_sans_io() -> None:
+    forbidden = {"asyncio", "socket", "selectors", "threading", "aiordma.verbs"}
+    bad = [f"{f}:{line}: {t}" for f in (PKG / "protocol").rglob("*.py") for t, line in _imports(f)
+           if any(t == x or t.startswith(x + ".") for x in forbidden)]
+    assert not bad, "\n".join(bad)
+
+
+def test_no_provider_imports_above_verbs() -> None:
+    bad = [f"{f}:{line}: {t}" for f in _files() if "verbs" not in f.relative_to(PKG).parts[:1]
+           for t, line in _imports(f)
+           if t.startswith("aiordma.verbs.soft") or t.startswith("aiordma.verbs.ibverbs")]
+    assert not bad, "\n".join(bad)
+
+
+def test_asyncio_only_above_the_reactor() -> None:
+    low = ("errors", "verbs", "protocol", "memory", "options", "sendq")
+    bad = [f"{f}:{line}" for f in _files() if _module_key(f) in low
+           for t, line in _imports(f) if t == "asyncio"]
+    assert not bad, "event-loop code below cq_reactor: " + ", ".join(bad)
