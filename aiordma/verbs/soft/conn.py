@@ -1,0 +1,388 @@
+"""One TCP connection of the soft device: an output queue and an input parser.
+
+Threading: only the NIC thread reads the socket, registers it with the selector and
+closes it. Output (``send``) may come from any thread with the device lock held: when
+nothing is queued the caller writes straight to the socket (the latency fast path);
+whatever the kernel does not take is queued and the NIC thread is asked to finish it.
+
+Input: bytes are read into a staging buffer and parsed there; a payload goes to its
+``Sink`` (a list of memoryview slices of registered memory). Bytes of a payload that
+arrived together with its header are copied from staging; the rest of a large payload
+is received with ``recv_into`` straight into the destination.
+"""
+
+from __future__ import annotations
+
+import selectors
+import socket
+import time
+from collections import deque
+from collections.abc import Callable
+from itertools import islice
+from typing import TYPE_CHECKING, Protocol
+
+from . import wire
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+STAGE_SIZE = 256 * 1024
+DIRECT_MIN = 64 * 1024
+READ_BUDGET = 8 * 1024 * 1024
+IOV_CHUNK = 64
+CLOSE_LINGER_S = 2.0
+
+CONNECTING, OPEN, CLOSING, CLOSED = range(4)
+
+_scratch = memoryview(bytearray(STAGE_SIZE))
+
+
+class ConnOwner(Protocol):
+    def conn_header(self, conn: Conn, h: tuple[int, ...]) -> Sink | None: ...
+
+    def conn_batch_end(self, conn: Conn) -> None: ...
+
+    def conn_closed(self, conn: Conn) -> None: ...
+
+
+class Sink:
+    """Destination of ``length`` payload bytes: ``segs`` (None = discard), then ``on_done``."""
+
+    __slots__ = ("segs", "idx", "off", "remaining", "on_done")
+
+    def __init__(self, segs: list[memoryview] | None, length: int,
+                 on_done: Callable[[], None] | None = None) -> None:
+        self.segs = segs
+        self.idx = 0
+        self.off = 0
+        self.remaining = length
+        self.on_done = on_done
+
+    def target(self) -> memoryview:
+        """Where the next bytes go (at most ``remaining``)."""
+        if self.segs is None:
+            return _scratch[: min(self.remaining, STAGE_SIZE)]
+        seg = self.segs[self.idx]
+        while self.off >= len(seg):
+            self.idx += 1
+            self.off = 0
+            seg = self.segs[self.idx]
+        return seg[self.off:]
+
+    def advance(self, n: int) -> None:
+        self.remaining -= n
+        if self.segs is not None:
+            self.off += n
+
+    def feed(self, src: memoryview) -> int:
+        """Copy from ``src`` (staged bytes); returns how many were consumed."""
+        used = 0
+        avail = len(src)
+        while avail > used and self.remaining:
+            if self.segs is None:
+                k = min(avail - used, self.remaining)
+            else:
+                t = self.target()
+                k = min(avail - used, len(t), self.remaining)
+                t[:k] = src[used:used + k]
+            self.advance(k)
+            used += k
+        return used
+
+
+def discard(length: int) -> Sink | None:
+    return Sink(None, length) if length else None
+
+
+class Conn:
+    """A TCP connection carrying soft-device messages (see ``wire``)."""
+
+    def __init__(self, engine: Engine, sock: socket.socket | None, owner: ConnOwner | None,
+                 *, expect_hello: bool, state: int) -> None:
+        self.engine = engine
+        self.sock = sock
+        self.owner = owner
+        self.state = state
+        self.expect_hello = expect_hello
+        self.out: deque[bytes | memoryview] = deque()
+        self.reading = state == OPEN
+        self.want_write = False
+        self._write_requested = False
+        self._sel_events = 0
+        self.last_tx = time.monotonic()
+        self.last_rx = self.last_tx
+        self.hello: tuple[int, ...] | None = None
+        self.peer: tuple[str, int] | None = None
+        self._stage = bytearray(STAGE_SIZE)
+        self._smv = memoryview(self._stage)
+        self._rpos = 0
+        self._wpos = 0
+        self._sink: Sink | None = None
+        self._short = False
+        engine.conns.add(self)
+
+    def __repr__(self) -> str:
+        return f"<Conn state={self.state} fd={self.sock.fileno() if self.sock else -1} peer={self.peer}>"
+
+    # --- output (device lock held, any thread) ----------------------------------------------
+    def send(self, bufs: list[bytes | memoryview]) -> None:
+        if self.state >= CLOSING:
+            return
+        self.out.extend(bufs)
+        if self.state == OPEN and not self.want_write:
+            self._flush()
+
+    def _flush(self) -> None:
+        out = self.out
+        sock = self.sock
+        assert sock is not None
+        sent_any = False
+        while out:
+            try:
+                n = sock.sendmsg(list(islice(out, IOV_CHUNK)) if len(out) > 1 else [out[0]])
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError:
+                out.clear()
+                self.fail()
+                return
+            sent_any = True
+            while n:
+                first = out[0]
+                size = len(first)
+                if n >= size:
+                    out.popleft()
+                    n -= size
+                else:
+                    out[0] = memoryview(first)[n:]
+                    n = 0
+        if sent_any:
+            self.last_tx = time.monotonic()
+        if out:
+            self._need_write()
+
+    def _need_write(self) -> None:
+        if self.want_write:
+            return
+        self.want_write = True
+        if self.engine.in_nic_thread():
+            self._update_sel()
+        elif not self._write_requested:
+            self._write_requested = True
+            self.engine.call_soon(self._arm_write)
+
+    def _arm_write(self) -> None:
+        self._write_requested = False
+        self._update_sel()
+
+    # --- lifecycle (device lock held) -------------------------------------------------------
+    def fail(self) -> None:
+        """The connection broke (EOF, reset): close it and tell the owner."""
+        if self.state == CLOSED:
+            return
+        self.state = CLOSING
+        self.reading = False
+        self.out.clear()
+        self.engine.call_soon(self._close_now)
+
+    def shutdown(self, graceful: bool = True) -> None:
+        """Close on our side without telling the owner (detach first).
+
+        ``graceful``: queued output (e.g. a NAK) is sent first, for at most a few seconds.
+        """
+        if self.state >= CLOSING:
+            return
+        self.owner = None
+        self.reading = False
+        if graceful and self.out and self.state == OPEN:
+            self.state = CLOSING
+            self.want_write = False
+            self._need_write()
+            self.engine.call_at(time.monotonic() + CLOSE_LINGER_S, self._close_now)
+        else:
+            self.state = CLOSING
+            self.out.clear()
+            self.engine.call_soon(self._close_now)
+
+    def _close_now(self) -> None:
+        """NIC thread: unregister and close the socket, then notify the owner."""
+        if self.state == CLOSED:
+            return
+        self.state = CLOSED
+        self.reading = False
+        self.out.clear()
+        self._sink = None
+        self.engine.conns.discard(self)
+        if self._sel_events:
+            self.engine.selector_unregister(self)
+            self._sel_events = 0
+        if self.sock is not None:
+            try:
+                self.sock.close()
+            except OSError:  # pragma: no cover
+                pass
+        owner, self.owner = self.owner, None
+        if owner is not None:
+            owner.conn_closed(self)
+
+    def _update_sel(self) -> None:
+        """NIC thread: make the selector registration match ``reading``/``want_write``."""
+        if self.state == CLOSED or self.sock is None:
+            return
+        ev = 0
+        if self.reading and self.state == OPEN:
+            ev |= selectors.EVENT_READ
+        if self.want_write or self.state == CONNECTING:
+            ev |= selectors.EVENT_WRITE
+        if ev != self._sel_events:
+            self.engine.selector_set(self, self._sel_events, ev)
+            self._sel_events = ev
+
+    def pause_reading(self) -> None:
+        self.reading = False
+        if self.engine.in_nic_thread():
+            self._update_sel()
+
+    def resume_reading(self) -> None:
+        """NIC thread: read again (staged bytes are processed right away)."""
+        if self.state != OPEN:
+            return
+        self.reading = True
+        self._update_sel()
+        self.engine.call_soon(self.on_readable_locked)
+
+    # --- NIC thread events ------------------------------------------------------------------
+    def on_event(self, mask: int) -> None:
+        if mask & selectors.EVENT_WRITE:
+            with self.engine.lock:
+                self._on_writable()
+        if mask & selectors.EVENT_READ and self.reading:
+            self.on_readable()
+
+    def _on_writable(self) -> None:
+        if self.state == CONNECTING:
+            assert self.sock is not None
+            err = self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+            if err:
+                self.fail()
+                return
+            self.state = OPEN
+            self.reading = True
+            self.last_tx = time.monotonic()
+        if self.state not in (OPEN, CLOSING):
+            return
+        self.want_write = False
+        self._flush()
+        if self.state == CLOSING and not self.out:
+            self._close_now()
+            return
+        self._update_sel()
+
+    def on_readable_locked(self) -> None:
+        """Called via call_soon (lock held): process staged input."""
+        lock = self.engine.lock
+        lock.release()
+        try:
+            self.on_readable()
+        finally:
+            lock.acquire()
+
+    def on_readable(self) -> None:
+        """NIC thread, device lock NOT held: read and dispatch as much as the budget allows."""
+        lock = self.engine.lock
+        sock = self.sock
+        if sock is None:
+            return
+        budget = READ_BUDGET
+        smv = self._smv
+        self.last_rx = time.monotonic()
+        self._short = False  # a short read drained the socket: stop rather than hit EAGAIN
+        try:
+            while self.reading and self.state == OPEN:
+                sink = self._sink
+                if sink is not None:
+                    if self._rpos < self._wpos:
+                        self._rpos += sink.feed(smv[self._rpos:self._wpos])
+                    elif sink.remaining >= DIRECT_MIN:
+                        if budget <= 0 or self._short:
+                            break
+                        t = sink.target()[: sink.remaining]
+                        n = sock.recv_into(t)
+                        if n == 0:
+                            self._eof()
+                            return
+                        self._short = n < len(t)
+                        sink.advance(n)
+                        budget -= n
+                    else:
+                        if budget <= 0 or self._short or not self._fill(sock):
+                            break
+                        budget -= STAGE_SIZE
+                        continue
+                    if sink.remaining == 0:
+                        self._sink = None
+                        if sink.on_done is not None:
+                            with lock:
+                                sink.on_done()
+                    continue
+                need = wire.HELLO.size if self.expect_hello else wire.HDR.size
+                if self._wpos - self._rpos >= need:
+                    if self.expect_hello:
+                        h = wire.HELLO.unpack_from(self._stage, self._rpos)
+                        self._rpos += need
+                        self.expect_hello = False
+                        with lock:
+                            self.engine.conn_hello(self, h)
+                        continue
+                    h = wire.HDR.unpack_from(self._stage, self._rpos)
+                    self._rpos += need
+                    with lock:
+                        owner = self.owner
+                        if owner is not None and self.state == OPEN:
+                            s = owner.conn_header(self, h)
+                        else:
+                            s = discard(h[4]) if h[0] in wire.PAYLOAD_OPS else None
+                    if s is not None:
+                        if s.remaining:
+                            self._sink = s
+                        elif s.on_done is not None:
+                            with lock:
+                                s.on_done()
+                    continue
+                if budget <= 0 or self._short or not self._fill(sock):
+                    break
+                budget -= STAGE_SIZE
+        except (BlockingIOError, InterruptedError):
+            pass
+        except OSError:
+            with lock:
+                self.fail()
+            return
+        with lock:
+            owner = self.owner
+            if owner is not None and self.state == OPEN:
+                owner.conn_batch_end(self)
+
+    def _fill(self, sock: socket.socket) -> bool:
+        """Read more into staging; False on EAGAIN. Raises OSError; handles EOF."""
+        if self._rpos == self._wpos:
+            self._rpos = self._wpos = 0
+        elif STAGE_SIZE - self._wpos < DIRECT_MIN:
+            n = self._wpos - self._rpos
+            self._stage[:n] = self._stage[self._rpos:self._wpos]
+            self._rpos, self._wpos = 0, n
+        room = STAGE_SIZE - self._wpos
+        try:
+            n = sock.recv_into(self._smv[self._wpos:])
+        except (BlockingIOError, InterruptedError):
+            return False
+        if n == 0:
+            self._eof()
+            return False
+        self._short = n < room
+        self._wpos += n
+        return True
+
+    def _eof(self) -> None:
+        with self.engine.lock:
+            self.fail()

@@ -1,0 +1,383 @@
+"""The soft device engine: listener, GID table, key and QP tables, and the NIC thread.
+
+One engine per process, shared by every open context (refcounted, started lazily by
+the first ``open`` and stopped when the last context closes). The NIC thread runs a
+selector over the listener, every connection and a wake-up pipe; it executes requests
+that arrive for local QPs (so a target makes progress while its application sleeps),
+delivers responses and completions, runs timers (RNR back-off, ACK timeouts) and
+callbacks queued with ``call_soon``. It never calls user code.
+
+Locking: ``Engine.lock`` (one plain lock per device) protects every QP, CQ, MR and
+connection state. The NIC thread holds it while handling a message, never while
+copying a large payload from a socket. Callbacks given to ``call_soon``/``call_at``
+run on the NIC thread with the lock held.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import heapq
+import itertools
+import logging
+import os
+import random
+import selectors
+import socket
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from ..enums import QPState
+from . import addr, wire
+from .conn import CONNECTING, OPEN, Conn
+from .mr import KeyTable
+
+if TYPE_CHECKING:
+    from .qp import SoftQP
+
+log = logging.getLogger("aiordma.soft")
+
+HELLO_TIMEOUT_S = 10.0
+
+
+class _Wake:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def on_event(self, mask: int) -> None:
+        e = self.engine
+        try:
+            while os.read(e._wake_r, 4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+        e._wake_pending = False
+
+
+class _Listener:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def on_event(self, mask: int) -> None:
+        e = self.engine
+        for _ in range(64):
+            try:
+                sock, peer = e.listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                return
+            sock.setblocking(False)
+            _tune(sock)
+            with e.lock:
+                conn = Conn(e, sock, None, expect_hello=True, state=OPEN)
+                conn.peer = peer[:2]
+                conn._update_sel()
+                e.call_at(time.monotonic() + HELLO_TIMEOUT_S, functools.partial(e._hello_timeout, conn))
+
+
+def _tune(sock: socket.socket) -> None:
+    if sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+class Engine:
+    """The per-process soft device (``soft0``)."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.lock = threading.Lock()
+        self.keys = KeyTable()
+        self.qps: dict[int, SoftQP] = {}
+        self.conns: set[Conn] = set()
+        self._held: dict[int, list[Conn]] = {}
+        self._next_qpn = random.randrange(0x100, 0x8000)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        ls = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            ls.bind((host, port))
+            ls.listen(512)
+        except OSError as exc:
+            ls.close()
+            from ...errors import DeviceError
+
+            raise DeviceError(f"soft device cannot listen on {host}:{port}: {exc}") from exc
+        ls.setblocking(False)
+        self.listener = ls
+        self.host = host
+        self.port: int = ls.getsockname()[1]
+        self.gids = addr.gid_table(host)
+        self.sel = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._wake_pending = False
+        self._calls: deque[Callable[[], None]] = deque()
+        self._timers: list[tuple[float, int, Callable[[], None]]] = []
+        self._seq = itertools.count()
+        self._planned_wake = 0.0
+        self._stopping = False
+        self.sel.register(self._wake_r, selectors.EVENT_READ, _Wake(self))
+        self.sel.register(ls, selectors.EVENT_READ, _Listener(self))
+        self.refs = 0
+        self._thread = threading.Thread(target=self._run, name="aiordma-soft0-nic", daemon=True)
+        self._tid: int | None = None
+        self._thread.start()
+
+    # --- scheduling ---------------------------------------------------------------------
+    def in_nic_thread(self) -> bool:
+        return threading.get_ident() == self._tid
+
+    def _wake(self) -> None:
+        if not self._wake_pending:
+            self._wake_pending = True
+            try:
+                os.write(self._wake_w, b"\0")
+            except (BlockingIOError, OSError):
+                pass
+
+    def call_soon(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the NIC thread (lock held) soon. Thread-safe."""
+        self._calls.append(fn)
+        if threading.get_ident() != self._tid:
+            self._wake()
+
+    def call_at(self, when: float, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the NIC thread (lock held) at monotonic time ``when``. Lock held."""
+        heapq.heappush(self._timers, (when, next(self._seq), fn))
+        if when < self._planned_wake and threading.get_ident() != self._tid:
+            self._wake()
+
+    def alloc_qpn(self) -> int:
+        while True:
+            qpn = self._next_qpn
+            self._next_qpn = (self._next_qpn + 1) & 0xFFFFFF or 0x100
+            if qpn not in self.qps:
+                return qpn
+
+    # --- selector (NIC thread) ---------------------------------------------------------
+    def selector_set(self, conn: Conn, old: int, new: int) -> None:
+        assert conn.sock is not None
+        try:
+            if old == 0:
+                self.sel.register(conn.sock, new, conn)
+            elif new == 0:
+                self.sel.unregister(conn.sock)
+            else:
+                self.sel.modify(conn.sock, new, conn)
+        except (KeyError, ValueError, OSError):  # pragma: no cover - defensive
+            log.exception("selector update failed for %r", conn)
+
+    def selector_unregister(self, conn: Conn) -> None:
+        assert conn.sock is not None
+        try:
+            self.sel.unregister(conn.sock)
+        except (KeyError, ValueError, OSError):
+            pass
+
+    # --- connections (NIC thread, lock held) ---------------------------------------------
+    def start_connect(self, conn: Conn, gid: bytes, port: int) -> None:
+        if conn.state != CONNECTING:
+            return
+        try:
+            family, sa = addr.sockaddr_of(gid, port)
+            sock = socket.socket(family, socket.SOCK_STREAM)
+        except (OSError, ValueError):
+            conn.fail()
+            return
+        sock.setblocking(False)
+        _tune(sock)
+        conn.sock = sock
+        conn.peer = sa
+        err = sock.connect_ex(sa)
+        if err == 0:
+            conn.state = OPEN
+            conn.reading = True
+            conn._update_sel()
+            if conn.out:
+                conn._flush()
+        elif err in (errno.EINPROGRESS, errno.EWOULDBLOCK, errno.EAGAIN, errno.EINTR):
+            conn._update_sel()
+        else:
+            conn.fail()
+
+    def conn_hello(self, conn: Conn, h: tuple[int, ...]) -> None:
+        magic, version, _src_port, src_qpn, dst_qpn, _src_gid = h
+        if magic != wire.MAGIC or version != wire.VERSION:
+            conn.shutdown(graceful=False)
+            return
+        conn.hello = (src_qpn, dst_qpn)
+        qp = self.qps.get(dst_qpn)
+        if qp is None:
+            conn.shutdown(graceful=False)
+            return
+        st = qp._state
+        if st in (QPState.RESET, QPState.INIT):
+            # requests from a peer that is ahead of us wait until we are RTR
+            self._held.setdefault(dst_qpn, []).append(conn)
+            conn.pause_reading()
+        elif st in (QPState.RTR, QPState.RTS):
+            qp._bind_resp(conn, src_qpn)
+        else:
+            conn.shutdown(graceful=False)
+
+    def release_held(self, qpn: int) -> None:
+        """QP ``qpn`` reached RTR: bind the connections that waited for it."""
+        qp = self.qps.get(qpn)
+        for conn in self._held.pop(qpn, []):
+            if conn.state != OPEN:
+                continue
+            if qp is None or qp._state not in (QPState.RTR, QPState.RTS):
+                conn.shutdown(graceful=False)
+                continue
+            assert conn.hello is not None
+            if qp._bind_resp(conn, conn.hello[0]):
+                conn.resume_reading()
+
+    def drop_held(self, qpn: int) -> None:
+        for conn in self._held.pop(qpn, []):
+            conn.shutdown(graceful=False)
+
+    def _hello_timeout(self, conn: Conn) -> None:
+        if conn.expect_hello and conn.state == OPEN:
+            conn.shutdown(graceful=False)
+
+    # --- the NIC thread ---------------------------------------------------------------------
+    def _run(self) -> None:
+        self._tid = threading.get_ident()
+        sel = self.sel
+        lock = self.lock
+        while True:
+            with lock:
+                if self._stopping:
+                    break
+                if self._calls:
+                    timeout: float | None = 0.0
+                    self._planned_wake = 0.0
+                elif self._timers:
+                    when = self._timers[0][0]
+                    self._planned_wake = when
+                    timeout = max(0.0, when - time.monotonic())
+                else:
+                    self._planned_wake = float("inf")
+                    timeout = None
+            try:
+                events = sel.select(timeout)
+            except OSError:  # pragma: no cover
+                log.exception("soft device selector failed")
+                time.sleep(0.01)
+                continue
+            for key, mask in events:
+                try:
+                    key.data.on_event(mask)
+                except Exception:  # pragma: no cover - a bug; keep the device alive
+                    log.exception("soft device: error handling %r", key.data)
+            with lock:
+                self._planned_wake = 0.0
+                n = len(self._calls)
+                while n and self._calls:
+                    n -= 1
+                    fn = self._calls.popleft()
+                    try:
+                        fn()
+                    except Exception:  # pragma: no cover
+                        log.exception("soft device: callback %r failed", fn)
+                now = time.monotonic()
+                timers = self._timers
+                while timers and timers[0][0] <= now:
+                    _, _, fn = heapq.heappop(timers)
+                    try:
+                        fn()
+                    except Exception:  # pragma: no cover
+                        log.exception("soft device: timer %r failed", fn)
+
+    def stop(self) -> None:
+        with self.lock:
+            self._stopping = True
+        self._wake()
+        if self._thread.is_alive() and not self.in_nic_thread():
+            self._thread.join(5.0)
+        with self.lock:
+            for conn in list(self.conns):
+                conn.owner = None
+                conn._close_now()
+            self.conns.clear()
+            self._held.clear()
+            self._calls.clear()
+            self._timers.clear()
+        try:
+            self.sel.close()
+        except OSError:  # pragma: no cover
+            pass
+        self.listener.close()
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:  # pragma: no cover
+                pass
+
+
+_engine_lock = threading.Lock()
+_engine: Engine | None = None
+
+
+def acquire() -> Engine:
+    """The process's engine, started if needed; one reference more."""
+    global _engine
+    with _engine_lock:
+        if _engine is None:
+            host, port = addr.configured()
+            _engine = Engine(host, port)
+        _engine.refs += 1
+        return _engine
+
+
+def release(engine: Engine) -> None:
+    global _engine
+    with _engine_lock:
+        engine.refs -= 1
+        if engine.refs > 0:
+            return
+        if _engine is engine:
+            _engine = None
+    engine.stop()
+
+
+def current() -> Engine | None:
+    return _engine
+
+
+def _after_fork_in_child() -> None:
+    """A forked child gets no NIC thread: forget the parent's device and close its fds
+    (so the parent's peers still see EOF when the parent dies). Contexts inherited from
+    the parent are unusable in the child, as with verbs without ibv_fork_init."""
+    global _engine, _engine_lock
+    _engine_lock = threading.Lock()
+    e, _engine = _engine, None
+    if e is None:
+        return
+    e.lock = threading.Lock()
+    e._stopping = True
+    socks = [c.sock for c in e.conns if c.sock is not None] + [e.listener]
+    for s in socks:
+        try:
+            s.close()
+        except OSError:  # pragma: no cover
+            pass
+    e.conns.clear()
+    for fd in (e._wake_r, e._wake_w):
+        try:
+            os.close(fd)
+        except OSError:  # pragma: no cover
+            pass
+    try:
+        e.sel.close()
+    except OSError:  # pragma: no cover
+        pass
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -1,0 +1,292 @@
+"""The soft RC QP: public verbs (modify, post_send, post_recv, close) and the state machine.
+
+The requester and responder halves live in ``requester.py`` and ``responder.py``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+from typing import TYPE_CHECKING
+
+from ...errors import PostError, RDMAError
+from ..api import QPAttr, QPCap
+from ..enums import WC_OPCODE_FOR_WR, QPState, SendFlags, WCStatus, WROpcode
+from ..wr import SGE, RecvWR, SendWR
+from . import limits, wire
+from .conn import Conn, Sink, discard
+from .qpcore import RWQE, SWQE
+from .requester import Requester
+from .responder import Responder
+
+if TYPE_CHECKING:
+    from .cq import SoftCQ
+    from .mr import SoftPD
+
+
+class InvalidWorkRequest(PostError, ValueError):
+    """A malformed work request (too many SGEs, bad atomic operand, inline too long)."""
+
+    def __init__(self, msg: str) -> None:
+        super().__init__(errno.EINVAL, msg)
+
+
+_WIRE_OP = {
+    WROpcode.SEND: wire.OP_SEND,
+    WROpcode.SEND_WITH_IMM: wire.OP_SEND_IMM,
+    WROpcode.RDMA_WRITE: wire.OP_WRITE,
+    WROpcode.RDMA_WRITE_WITH_IMM: wire.OP_WRITE_IMM,
+    WROpcode.RDMA_READ: wire.OP_READ,
+    WROpcode.ATOMIC_CMP_AND_SWP: wire.OP_CMP_SWP,
+    WROpcode.ATOMIC_FETCH_AND_ADD: wire.OP_FETCH_ADD,
+}
+_RD_ATOMIC = frozenset({wire.OP_READ, wire.OP_CMP_SWP, wire.OP_FETCH_ADD})
+_ATOMIC = frozenset({wire.OP_CMP_SWP, wire.OP_FETCH_ADD})
+
+_LEGAL = {
+    (QPState.RESET, QPState.INIT),
+    (QPState.INIT, QPState.INIT),
+    (QPState.INIT, QPState.RTR),
+    (QPState.RTR, QPState.RTS),
+    (QPState.RTS, QPState.RTS),
+}
+
+
+class SoftQP(Requester, Responder):
+    def __init__(self, pd: SoftPD, send_cq: SoftCQ, recv_cq: SoftCQ, cap: QPCap) -> None:
+        lim = limits.DEVICE_ATTR
+        for name, value, top in (
+            ("max_send_wr", cap.max_send_wr, lim.max_qp_wr),
+            ("max_recv_wr", cap.max_recv_wr, lim.max_qp_wr),
+            ("max_send_sge", cap.max_send_sge, lim.max_sge),
+            ("max_recv_sge", cap.max_recv_sge, lim.max_sge),
+            ("max_inline_data", cap.max_inline_data, lim.max_inline_data),
+        ):
+            if not 0 <= value <= top:
+                raise RDMAError(errno.EINVAL, f"QP {name}={value} outside 0..{top}")
+        if cap.max_send_wr < 1 or cap.max_recv_wr < 0:
+            raise RDMAError(errno.EINVAL, "a QP needs max_send_wr >= 1")
+        engine = pd.context._engine
+        if send_cq._ctx._engine is not engine or recv_cq._ctx._engine is not engine:
+            raise RDMAError(errno.EINVAL, "CQs of another device")
+        cap = QPCap(cap.max_send_wr, cap.max_recv_wr, cap.max_send_sge, cap.max_recv_sge,
+                    cap.max_inline_data)
+        with engine.lock:
+            if send_cq._closed or recv_cq._closed:
+                raise RDMAError(errno.EINVAL, "CQ is closed")
+            qpn = engine.alloc_qpn()
+            self._init_core(pd, send_cq, recv_cq, cap, qpn)
+            engine.qps[qpn] = self
+            pd._qps.add(self)
+            send_cq._attach(self)
+            recv_cq._attach(self)
+
+    def __repr__(self) -> str:
+        return f"<SoftQP qpn={self.qp_num:#x} state={self._state.name}>"
+
+    # --- connection owner ------------------------------------------------------------
+    def conn_header(self, conn: Conn, h: tuple[int, ...]) -> Sink | None:
+        if conn is self._resp_conn:
+            if h[0] not in wire.REQUEST_OPS:
+                conn.fail()  # not our protocol: drop the connection
+                return None
+            return self._on_request(conn, h)
+        if conn is self._req_conn:
+            if h[0] not in wire.RESPONSE_OPS:
+                conn.fail()
+                return None
+            return self._on_response(conn, h)
+        return discard(h[4]) if h[0] in wire.PAYLOAD_OPS else None
+
+    def conn_batch_end(self, conn: Conn) -> None:
+        if conn is self._resp_conn:
+            self._resp_batch_end(conn)
+
+    def conn_closed(self, conn: Conn) -> None:
+        if conn is self._req_conn:
+            self._req_conn_closed(conn)
+        elif conn is self._resp_conn:
+            self._resp_conn = None
+
+    # --- verbs ---------------------------------------------------------------------------
+    @property
+    def state(self) -> QPState:
+        return self._state
+
+    def modify(self, attr: QPAttr) -> None:
+        engine = self._engine
+        with engine.lock:
+            if self._closed:
+                raise RDMAError(errno.EINVAL, "QP is closed")
+            cur, new = self._state, QPState(attr.qp_state)
+            if new == QPState.RESET:
+                self._reset()
+                return
+            if new == QPState.ERR:
+                self._to_error(None)
+                return
+            if (cur, new) not in _LEGAL:
+                raise RDMAError(errno.EINVAL, f"illegal QP state transition {cur.name} -> {new.name}")
+            if new == QPState.INIT:
+                if attr.port_num != 1:
+                    raise RDMAError(errno.EINVAL, f"no port {attr.port_num} (soft0 has port 1)")
+                self._access = attr.qp_access_flags
+                self._state = QPState.INIT
+            elif new == QPState.RTR:
+                ah = attr.ah_attr
+                if ah is None or len(bytes(ah.dgid)) != 16 or not 0 < ah.dlid <= 0xFFFF:
+                    raise RDMAError(errno.EINVAL,
+                                    "INIT->RTR needs ah_attr with a 16-byte dgid and dlid (TCP port)")
+                if not 0 <= attr.min_rnr_timer <= 31:
+                    raise RDMAError(errno.EINVAL, "min_rnr_timer must be 0..31")
+                self._ah = ah
+                self._dest_qpn = attr.dest_qp_num & 0xFFFFFF
+                self._epsn = attr.rq_psn & wire.PSN_MASK
+                self._min_rnr_timer = attr.min_rnr_timer
+                self._state = QPState.RTR
+                self._connect()
+                qpn = self.qp_num
+                engine.call_soon(lambda: engine.release_held(qpn))
+            else:  # RTS
+                if not 0 <= attr.timeout <= 31 or not 0 <= attr.retry_cnt <= 7 \
+                        or not 0 <= attr.rnr_retry <= 7:
+                    raise RDMAError(errno.EINVAL, "timeout 0..31, retry_cnt and rnr_retry 0..7")
+                if cur == QPState.RTR:
+                    self._next_psn = attr.sq_psn & wire.PSN_MASK
+                self._timeout = attr.timeout
+                self._retry_cnt = attr.retry_cnt
+                self._rnr_retry = attr.rnr_retry
+                self._state = QPState.RTS
+                self._pump()
+
+    def _reset(self) -> None:
+        self._drop_conns(graceful=False)
+        self._inflight.clear()
+        self._unsent.clear()
+        self._rq.clear()
+        self._gen += 1
+        self._sq_used = 0
+        self._unsig = 0
+        self._rnr_wait = False
+        self._ack_armed = False
+        self._ack_pending = -1
+        self._state = QPState.RESET
+
+    def post_send(self, wrs: list[SendWR]) -> None:
+        with self._engine.lock:
+            st = self._state
+            if self._closed or st in (QPState.RESET, QPState.INIT, QPState.RTR):
+                raise PostError(errno.EINVAL, f"post_send on a QP in {st.name}")
+            if self._sq_used + len(wrs) > self.cap.max_send_wr:
+                raise PostError(errno.ENOMEM,
+                                f"send queue full ({self._sq_used} of {self.cap.max_send_wr} "
+                                f"in use, {len(wrs)} more posted)")
+            built = [self._build(wr) for wr in wrs]
+            self._sq_used += len(built)
+            if st == QPState.ERR:
+                for w, _ in built:
+                    self._sq_complete(w, WCStatus.WR_FLUSH_ERR)
+                return
+            psn = self._next_psn
+            for w, wr in built:
+                w.psn = psn
+                w.hdr = wire.pack(
+                    w.op, psn, w.length,
+                    flags=wire.FLAG_SOLICITED if wr.send_flags & SendFlags.SOLICITED else 0,
+                    imm=wr.imm_data & 0xFFFFFFFF, rkey=wr.rkey & 0xFFFFFFFF,
+                    remote_addr=wr.remote_addr & 0xFFFFFFFFFFFFFFFF,
+                    compare_add=wr.compare_add & 0xFFFFFFFFFFFFFFFF,
+                    swap=wr.swap & 0xFFFFFFFFFFFFFFFF)
+                psn = wire.psn_add(psn)
+            self._next_psn = psn
+            self._unsent.extend(w for w, _ in built)
+            self._pump()
+
+    def _build(self, wr: SendWR) -> tuple[SWQE, SendWR]:
+        op = _WIRE_OP.get(wr.opcode)
+        if op is None:
+            raise InvalidWorkRequest(f"unknown send opcode {wr.opcode!r}")
+        sg = wr.sg_list
+        if len(sg) > self.cap.max_send_sge:
+            raise InvalidWorkRequest(
+                f"{len(sg)} SGEs, the QP allows max_send_sge={self.cap.max_send_sge}")
+        length = 0
+        for s in sg:
+            if s.length < 0:
+                raise InvalidWorkRequest("negative SGE length")
+            length += s.length
+        flags = int(wr.send_flags)
+        inline = bool(flags & SendFlags.INLINE)
+        if op in _ATOMIC and (len(sg) != 1 or sg[0].length != 8):
+            raise InvalidWorkRequest("an atomic WR needs exactly one 8-byte SGE")
+        if inline and op in _RD_ATOMIC:
+            raise InvalidWorkRequest("INLINE is only valid for SEND and RDMA_WRITE")
+        error: WCStatus | None = None
+        if inline:
+            if length > self.cap.max_inline_data:
+                raise InvalidWorkRequest(
+                    f"inline data of {length} bytes, the QP allows {self.cap.max_inline_data}")
+            segs = [memoryview(self._copy_inline(sg))] if length else []
+        else:
+            views = self._resolve(sg, need_write=op in _RD_ATOMIC)
+            if views is None:
+                error = WCStatus.LOC_PROT_ERR
+                segs = []
+            else:
+                segs = views
+        if length > wire.MAX_MSG:
+            error = WCStatus.LOC_LEN_ERR
+        w = SWQE(wr.wr_id, op, WC_OPCODE_FOR_WR[wr.opcode], segs, length,
+                 bool(flags & SendFlags.SIGNALED), error, bool(flags & SendFlags.FENCE),
+                 op in _RD_ATOMIC)
+        return w, wr
+
+    def _copy_inline(self, sg: list[SGE]) -> bytes:
+        keys = self._engine.keys
+        parts: list[bytes] = []
+        for s in sg:
+            if not s.length:
+                continue
+            mr = keys.get(s.lkey)
+            off = s.addr - mr.addr if mr is not None else -1
+            if mr is not None and 0 <= off and off + s.length <= mr.length:
+                parts.append(bytes(mr.view[off:off + s.length]))
+            else:  # inline data needs no registration: read the caller's memory
+                parts.append(ctypes.string_at(s.addr, s.length))
+        return b"".join(parts)
+
+    def post_recv(self, wrs: list[RecvWR]) -> None:
+        with self._engine.lock:
+            st = self._state
+            if self._closed or st == QPState.RESET:
+                raise PostError(errno.EINVAL, f"post_recv on a QP in {st.name}")
+            if len(self._rq) + len(wrs) > self.cap.max_recv_wr:
+                raise PostError(errno.ENOMEM,
+                                f"receive queue full ({len(self._rq)} of {self.cap.max_recv_wr} "
+                                f"in use, {len(wrs)} more posted)")
+            for wr in wrs:
+                if len(wr.sg_list) > self.cap.max_recv_sge:
+                    raise InvalidWorkRequest(
+                        f"{len(wr.sg_list)} SGEs, the QP allows max_recv_sge={self.cap.max_recv_sge}")
+            rwqes = [RWQE(wr.wr_id, list(wr.sg_list)) for wr in wrs]
+            if st == QPState.ERR:
+                for r in rwqes:
+                    self._rq_complete(r, WCStatus.WR_FLUSH_ERR)
+                return
+            self._rq.extend(rwqes)
+
+    def close(self) -> None:
+        engine = self._engine
+        with engine.lock:
+            if self._closed:
+                return
+            self._drop_conns(graceful=False)
+            self._closed = True
+            self._inflight.clear()
+            self._unsent.clear()
+            self._rq.clear()
+            self._gen += 1
+            engine.qps.pop(self.qp_num, None)
+            self.send_cq._detach(self)
+            self.recv_cq._detach(self)
+            self.pd._qps.discard(self)

@@ -1,0 +1,211 @@
+"""The requester half of a soft RC QP: transmit send WRs, handle responses, RNR back-off
+(go-back-N), the ACK timeout, and the requester connection's life.
+
+Methods run with the device lock held, on the caller's thread (``post_send``: the
+fast path writes straight to the socket) or on the NIC thread.
+"""
+
+from __future__ import annotations
+
+import time
+
+from ..enums import QPState, WCStatus
+from . import wire
+from .conn import CLOSING, CONNECTING, Conn, Sink, discard
+from .qpcore import QPCore, scatter
+
+#: floor of the ACK timeout: a Python peer can stall this long (GC, GIL) and still be alive
+MIN_ACK_TIMEOUT_S = 1.0
+
+_NAK_STATUS = {
+    wire.NAK_INV_REQ: WCStatus.REM_INV_REQ_ERR,
+    wire.NAK_REM_ACCESS: WCStatus.REM_ACCESS_ERR,
+    wire.NAK_REM_OP: WCStatus.REM_OP_ERR,
+}
+
+
+class Requester(QPCore):
+    # --- connection ------------------------------------------------------------------------
+    def _connect(self) -> Conn:
+        """Open the requester connection to the peer QP (non-blocking, on the NIC thread)."""
+        ah = self._ah
+        assert ah is not None
+        engine = self._engine
+        gids = engine.gids
+        sgid = gids[ah.sgid_index] if 0 <= ah.sgid_index < len(gids) else gids[0]
+        conn = Conn(engine, None, self, expect_hello=False, state=CONNECTING)
+        conn.send([wire.pack_hello(engine.port, self.qp_num, self._dest_qpn, sgid)])
+        dgid, dport = bytes(ah.dgid), ah.dlid
+        engine.call_soon(lambda: engine.start_connect(conn, dgid, dport))
+        self._req_conn = conn
+        return conn
+
+    def _req_conn_closed(self, conn: Conn) -> None:
+        self._req_conn = None
+        if self._state == QPState.RTS and (self._inflight or self._unsent):
+            # the peer is gone (killed, reset, refused, or its QP went to ERR)
+            self._fail_send(WCStatus.RETRY_EXC_ERR)
+
+    # --- transmit -----------------------------------------------------------------------
+    def _pump(self) -> None:
+        """Transmit queued WRs in order, as far as RNR wait, fences and errors allow."""
+        if self._state != QPState.RTS or self._rnr_wait or not self._unsent:
+            return
+        conn = self._req_conn
+        if conn is None or conn.state >= CLOSING:
+            conn = self._connect()
+        unsent = self._unsent
+        inflight = self._inflight
+        bufs: list[bytes | memoryview] = []
+        if not inflight:
+            self._progress = time.monotonic()
+        while unsent:
+            w = unsent[0]
+            if w.error is not None:
+                if inflight:
+                    break  # completes after everything before it
+                unsent.popleft()
+                if bufs:  # pragma: no cover - bufs implies inflight
+                    conn.send(bufs)
+                self._sq_complete(w, w.error)
+                self._to_error(None)
+                return
+            if w.fence and any(x.rd_atomic for x in inflight):
+                break
+            unsent.popleft()
+            inflight.append(w)
+            bufs.append(w.hdr)
+            if w.op in wire.PAYLOAD_OPS:
+                bufs.extend(w.segs)
+        if bufs:
+            conn.send(bufs)
+        self._arm_ack_timer()
+
+    # --- ACK timeout ---------------------------------------------------------------------
+    def _ack_timeout_s(self) -> float | None:
+        if self._timeout == 0:
+            return None
+        return max(MIN_ACK_TIMEOUT_S, 4.096e-6 * (1 << self._timeout) * (self._retry_cnt + 1))
+
+    def _last_progress(self) -> float:
+        conn = self._req_conn
+        if conn is None:
+            return self._progress
+        return max(self._progress, conn.last_tx, conn.last_rx)
+
+    def _arm_ack_timer(self) -> None:
+        if self._ack_armed or not (self._inflight or self._unsent):
+            return
+        t = self._ack_timeout_s()
+        if t is None:
+            return
+        self._ack_armed = True
+        gen = self._gen
+        self._engine.call_at(self._last_progress() + t, lambda: self._ack_check(gen))
+
+    def _ack_check(self, gen: int) -> None:
+        if gen != self._gen:
+            return  # a timer of the QP's life before a RESET
+        self._ack_armed = False
+        if self._state != QPState.RTS:
+            return
+        if not (self._inflight or self._unsent):
+            return
+        t = self._ack_timeout_s()
+        if t is None:
+            return
+        now = time.monotonic()
+        if self._rnr_wait:
+            self._progress = now
+        deadline = self._last_progress() + t
+        if now >= deadline:
+            self._fail_send(WCStatus.RETRY_EXC_ERR)
+            return
+        self._ack_armed = True
+        self._engine.call_at(deadline, lambda: self._ack_check(gen))
+
+    # --- responses -----------------------------------------------------------------------
+    def _on_response(self, conn: Conn, h: tuple[int, ...]) -> Sink | None:
+        op, flags, aux, psn, length, _imm, _rkey, _pad, _raddr, value, _swap = h
+        if self._state != QPState.RTS or op not in wire.RESPONSE_OPS:
+            return discard(length) if op in wire.PAYLOAD_OPS else None
+        self._progress = time.monotonic()
+        inflight = self._inflight
+        # implicit acknowledgement of everything before psn (and psn itself for an ACK)
+        while inflight:
+            w = inflight[0]
+            if wire.psn_before(w.psn, psn) or (op == wire.OP_ACK and w.psn == psn):
+                if w.rd_atomic:  # pragma: no cover - its response cannot be skipped
+                    break
+                inflight.popleft()
+                w.segs = []
+                self._sq_complete(w, WCStatus.SUCCESS, w.length)
+            else:
+                break
+        if op == wire.OP_ACK:
+            if self._unsent:
+                self._pump()
+            return None
+        if not inflight or inflight[0].psn != psn:  # stale (cannot happen on one TCP stream)
+            return discard(length) if op == wire.OP_READ_RESP else None
+        w = inflight[0]
+        if op == wire.OP_NAK:
+            if aux == wire.NAK_RNR:
+                self._on_rnr(flags)
+                return None
+            inflight.popleft()
+            self._sq_complete(w, _NAK_STATUS.get(aux, WCStatus.REM_OP_ERR))
+            self._to_error(None)
+            return None
+        if op == wire.OP_ATOMIC_RESP:
+            inflight.popleft()
+            w.segs[0][:8] = (value & 0xFFFFFFFFFFFFFFFF).to_bytes(8, "little")
+            self._sq_complete(w, WCStatus.SUCCESS, 8)
+            if self._unsent:
+                self._pump()
+            return None
+        # READ response
+        if length != w.length:
+            inflight.popleft()
+            self._sq_complete(w, WCStatus.BAD_RESP_ERR)
+            self._to_error(None)
+            return discard(length)
+        gen = self._gen
+
+        def done() -> None:
+            if self._gen == gen and self._inflight and self._inflight[0] is w:
+                self._inflight.popleft()
+                self._progress = time.monotonic()
+                self._sq_complete(w, WCStatus.SUCCESS, length)
+                if self._unsent:
+                    self._pump()
+
+        return Sink(scatter(w.segs, length), length, done)
+
+    def _on_rnr(self, timer_code: int) -> None:
+        inflight = self._inflight
+        w = inflight[0]
+        if w.rnr_left < 0:
+            w.rnr_left = self._rnr_retry
+        if self._rnr_retry != 7:
+            if w.rnr_left == 0:
+                inflight.popleft()
+                self._sq_complete(w, WCStatus.RNR_RETRY_EXC_ERR)
+                self._to_error(None)
+                return
+            w.rnr_left -= 1
+        # go back N: everything from the NAK'd WR on is transmitted again after the delay
+        unsent = self._unsent
+        while inflight:
+            unsent.appendleft(inflight.pop())
+        self._rnr_wait = True
+        gen = self._gen
+        delay = wire.RNR_TIMER_S[timer_code & 31]
+        self._engine.call_at(time.monotonic() + delay, lambda: self._rnr_resume(gen))
+
+    def _rnr_resume(self, gen: int) -> None:
+        if gen != self._gen or self._state != QPState.RTS or not self._rnr_wait:
+            return
+        self._rnr_wait = False
+        self._progress = time.monotonic()
+        self._pump()

@@ -1,0 +1,150 @@
+"""The responder half of a soft RC QP: execute incoming requests in PSN order.
+
+Runs on the NIC thread with the device lock held. SEND/WRITE payloads are received by
+the connection straight into the receive buffer / the target MR (a ``Sink``); READ
+responses are sent from slices of the MR; atomics execute here, under the device lock
+on the single NIC thread, so they are atomic across every QP of the device.
+Successful SEND/WRITE requests are acknowledged once per batch of input (coalesced ACK).
+"""
+
+from __future__ import annotations
+
+from ..enums import Access, EventType, QPState, WCOpcode, WCStatus
+from . import wire
+from .conn import Conn, Sink, discard
+from .qpcore import QPCore, scatter
+
+_M64 = 0xFFFFFFFFFFFFFFFF
+
+
+class Responder(QPCore):
+    def _bind_resp(self, conn: Conn, src_qpn: int) -> bool:
+        """Accept ``conn`` as this QP's responder connection if it comes from our peer QP."""
+        if src_qpn != self._dest_qpn or self._state not in (QPState.RTR, QPState.RTS):
+            conn.shutdown(graceful=False)
+            return False
+        old = self._resp_conn
+        if old is not None and old is not conn:
+            old.shutdown(graceful=False)
+        conn.owner = self
+        self._resp_conn = conn
+        return True
+
+    def _resp_batch_end(self, conn: Conn) -> None:
+        if self._ack_pending >= 0:
+            conn.send([wire.pack(wire.OP_ACK, self._ack_pending)])
+            self._ack_pending = -1
+
+    def _respond(self, conn: Conn, bufs: list[bytes | memoryview]) -> None:
+        self._ack_pending = -1  # any response acknowledges everything before it
+        conn.send(bufs)
+
+    def _nak_error(self, conn: Conn, psn: int, syndrome: int, event: EventType | None) -> None:
+        self._respond(conn, [wire.pack(wire.OP_NAK, psn, aux=syndrome)])
+        self._to_error(event)
+
+    def _rkey_view(self, rkey: int, raddr: int, length: int, right: Access) -> memoryview | None:
+        mr = self._engine.keys.get(rkey)
+        if mr is None or mr.pd is not self.pd:
+            return None
+        if not (mr.access & right) or not (self._access & right):
+            return None
+        off = raddr - mr.addr
+        if off < 0 or off + length > mr.length:
+            return None
+        return mr.view[off:off + length]
+
+    def _on_request(self, conn: Conn, h: tuple[int, ...]) -> Sink | None:
+        op, flags, _aux, psn, length, imm, rkey, _pad, raddr, compare_add, swap = h
+        has_payload = op in wire.PAYLOAD_OPS
+        if (self._state not in (QPState.RTR, QPState.RTS) or psn != self._epsn
+                or op not in wire.REQUEST_OPS):
+            # out of sequence (e.g. behind an RNR NAK'd request): drop, the requester resends
+            return discard(length) if has_payload else None
+        rq = self._rq
+        if op in (wire.OP_SEND, wire.OP_SEND_IMM, wire.OP_WRITE_IMM) and not rq:
+            self._respond(conn, [wire.pack(wire.OP_NAK, psn, aux=wire.NAK_RNR,
+                                           flags=self._min_rnr_timer & 31)])
+            return discard(length)
+        gen = self._gen
+        if op == wire.OP_SEND or op == wire.OP_SEND_IMM:
+            r = rq[0]
+            if length > r.length:
+                rq.popleft()
+                self._rq_complete(r, WCStatus.LOC_LEN_ERR)
+                self._nak_error(conn, psn, wire.NAK_INV_REQ, EventType.QP_REQ_ERR)
+                return discard(length)
+            views = self._resolve(r.sg_list, need_write=True)
+            if views is None:
+                rq.popleft()
+                self._rq_complete(r, WCStatus.LOC_PROT_ERR)
+                self._nak_error(conn, psn, wire.NAK_REM_OP, None)
+                return discard(length)
+            with_imm = imm if op == wire.OP_SEND_IMM else None
+            solicited = bool(flags & wire.FLAG_SOLICITED)
+
+            def send_done() -> None:
+                if self._gen != gen or not self._rq or self._rq[0] is not r:
+                    return
+                self._rq.popleft()
+                self._epsn = wire.psn_add(psn)
+                self._ack_pending = psn
+                self._rq_complete(r, WCStatus.SUCCESS, WCOpcode.RECV, length, with_imm, solicited)
+
+            return Sink(scatter(views, length), length, send_done)
+
+        if op == wire.OP_WRITE or op == wire.OP_WRITE_IMM:
+            if length:
+                target = self._rkey_view(rkey, raddr, length, Access.REMOTE_WRITE)
+                if target is None:
+                    self._nak_error(conn, psn, wire.NAK_REM_ACCESS, EventType.QP_ACCESS_ERR)
+                    return discard(length)
+                segs = [target]
+            else:
+                segs = []
+            r0 = rq[0] if op == wire.OP_WRITE_IMM else None
+            solicited = bool(flags & wire.FLAG_SOLICITED)
+
+            def write_done() -> None:
+                if self._gen != gen or self._state not in (QPState.RTR, QPState.RTS):
+                    return
+                if r0 is not None:
+                    if not self._rq or self._rq[0] is not r0:
+                        return
+                    self._rq.popleft()
+                    self._rq_complete(r0, WCStatus.SUCCESS, WCOpcode.RECV_RDMA_WITH_IMM, length,
+                                      imm, solicited)
+                self._epsn = wire.psn_add(psn)
+                self._ack_pending = psn
+
+            return Sink(segs, length, write_done)
+
+        if op == wire.OP_READ:
+            if length:
+                src = self._rkey_view(rkey, raddr, length, Access.REMOTE_READ)
+                if src is None:
+                    self._nak_error(conn, psn, wire.NAK_REM_ACCESS, EventType.QP_ACCESS_ERR)
+                    return None
+                bufs: list[bytes | memoryview] = [wire.pack(wire.OP_READ_RESP, psn, length), src]
+            else:
+                bufs = [wire.pack(wire.OP_READ_RESP, psn, 0)]
+            self._epsn = wire.psn_add(psn)
+            self._respond(conn, bufs)
+            return None
+
+        # atomics
+        target = self._rkey_view(rkey, raddr, 8, Access.REMOTE_ATOMIC)
+        if target is None:
+            self._nak_error(conn, psn, wire.NAK_REM_ACCESS, EventType.QP_ACCESS_ERR)
+            return None
+        if raddr % 8:
+            self._nak_error(conn, psn, wire.NAK_INV_REQ, EventType.QP_REQ_ERR)
+            return None
+        old = int.from_bytes(target, "little")
+        if op == wire.OP_FETCH_ADD:
+            target[:] = ((old + compare_add) & _M64).to_bytes(8, "little")
+        elif old == compare_add:
+            target[:] = (swap & _M64).to_bytes(8, "little")
+        self._epsn = wire.psn_add(psn)
+        self._respond(conn, [wire.pack(wire.OP_ATOMIC_RESP, psn, compare_add=old)])
+        return None

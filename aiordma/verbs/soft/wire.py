@@ -1,0 +1,109 @@
+"""Wire protocol of the ``soft`` device (one TCP stream per direction of a QP pair).
+
+Connections
+-----------
+Each RC QP opens one *requester connection* to the peer device when it moves to RTR.
+On it the QP's requests travel to the peer, and the peer's responses to those requests
+come back. The peer's own requests travel on the peer's requester connection, which is
+our *responder connection*. So a connected QP pair uses two TCP connections, and each
+stream carries requests in one direction and responses in the other, in order.
+
+The first bytes on a requester connection are a ``HELLO``::
+
+    magic "AIOSOFT1" | u16 version | u16 src_port | u32 src_qpn | u32 dst_qpn | 16s src_gid
+
+The responder device binds the connection to QP ``dst_qpn`` only if that QP exists, is
+(or becomes) RTR/RTS and its ``dest_qp_num`` is ``src_qpn``; otherwise it closes it.
+
+Messages
+--------
+Everything after the hello is a sequence of fixed 48-byte headers, each followed by
+``length`` payload bytes for the opcodes in ``PAYLOAD_OPS``. All fields little-endian::
+
+    u8 op | u8 flags | u16 aux | u32 psn | u32 length | u32 imm | u32 rkey | u32 pad
+    | u64 remote_addr | u64 compare_add | u64 swap
+
+Requests (requester -> responder): SEND, SEND_IMM, WRITE, WRITE_IMM (payload =
+the data), READ (``length`` = bytes to read, no payload), CMP_SWP, FETCH_ADD (8-byte
+operand(s) in ``compare_add``/``swap``). Each request consumes one PSN (24 bits,
+modular), the first one being the requester's ``sq_psn`` = the responder's ``rq_psn``.
+
+Responses (responder -> requester): ACK (cumulative: every request up to and including
+``psn`` is done), NAK (``aux`` = syndrome, request ``psn`` failed; an RNR NAK carries
+the responder's min_rnr_timer code in ``flags``), READ_RESP (payload = the data read),
+ATOMIC_RESP (``compare_add`` = the original remote value). Any response for ``psn``
+also acknowledges every earlier request (as IB's implicit acknowledgement does).
+
+The responder only executes the request whose PSN is the expected one and silently
+drops others; after an RNR NAK for PSN p the requester waits and retransmits
+go-back-N from p, and the responder drops everything until p arrives again.
+"""
+
+from __future__ import annotations
+
+import struct
+
+MAGIC = b"AIOSOFT1"
+VERSION = 1
+
+HELLO = struct.Struct("<8sHHII16s")
+HDR = struct.Struct("<BBHIIIIIQQQ")
+
+# requests
+OP_SEND = 1
+OP_SEND_IMM = 2
+OP_WRITE = 3
+OP_WRITE_IMM = 4
+OP_READ = 5
+OP_CMP_SWP = 6
+OP_FETCH_ADD = 7
+# responses
+OP_ACK = 16
+OP_NAK = 17
+OP_READ_RESP = 18
+OP_ATOMIC_RESP = 19
+
+REQUEST_OPS = frozenset({OP_SEND, OP_SEND_IMM, OP_WRITE, OP_WRITE_IMM, OP_READ, OP_CMP_SWP,
+                         OP_FETCH_ADD})
+RESPONSE_OPS = frozenset({OP_ACK, OP_NAK, OP_READ_RESP, OP_ATOMIC_RESP})
+PAYLOAD_OPS = frozenset({OP_SEND, OP_SEND_IMM, OP_WRITE, OP_WRITE_IMM, OP_READ_RESP})
+
+# flags
+FLAG_SOLICITED = 1
+
+# NAK syndromes (aux)
+NAK_RNR = 1
+NAK_INV_REQ = 2
+NAK_REM_ACCESS = 3
+NAK_REM_OP = 4
+
+PSN_MASK = 0xFFFFFF
+MAX_MSG = 1 << 31
+
+
+def psn_add(psn: int, n: int = 1) -> int:
+    return (psn + n) & PSN_MASK
+
+
+def psn_before(a: int, b: int) -> bool:
+    """True when PSN ``a`` comes strictly before ``b`` (24-bit serial arithmetic)."""
+    d = (b - a) & PSN_MASK
+    return 0 < d < 0x800000
+
+
+def pack_hello(src_port: int, src_qpn: int, dst_qpn: int, src_gid: bytes) -> bytes:
+    return HELLO.pack(MAGIC, VERSION, src_port, src_qpn, dst_qpn, src_gid)
+
+
+def pack(op: int, psn: int, length: int = 0, *, flags: int = 0, aux: int = 0, imm: int = 0,
+         rkey: int = 0, remote_addr: int = 0, compare_add: int = 0, swap: int = 0) -> bytes:
+    return HDR.pack(op, flags, aux, psn, length, imm, rkey, 0, remote_addr, compare_add, swap)
+
+
+#: IB min_rnr_timer encoding -> seconds (IBTA table 45).
+RNR_TIMER_S = (
+    655.36e-3, 0.01e-3, 0.02e-3, 0.03e-3, 0.04e-3, 0.06e-3, 0.08e-3, 0.12e-3,
+    0.16e-3, 0.24e-3, 0.32e-3, 0.48e-3, 0.64e-3, 0.96e-3, 1.28e-3, 1.92e-3,
+    2.56e-3, 3.84e-3, 5.12e-3, 7.68e-3, 10.24e-3, 15.36e-3, 20.48e-3, 30.72e-3,
+    40.96e-3, 61.44e-3, 81.92e-3, 122.88e-3, 163.84e-3, 245.76e-3, 327.68e-3, 491.52e-3,
+)
