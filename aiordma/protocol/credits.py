@@ -1,0 +1,160 @@
+"""Receive-credit flow control: a SEND never arrives without a posted receive (no RNR).
+
+Each endpoint posts ``local_slots`` receive buffers for its peer and learns from the
+handshake how many the peer posted for it (``peer_credits``). One credit = one posted
+receive buffer at the peer; every frame sent (DATA, RNDV, RNDV_DONE, CREDIT, CLOSE)
+consumes one. A receive buffer is re-posted after its frame is consumed (control frames at
+once, DATA once the application has taken the payload); each re-post is a credit *owed* to
+the peer, returned piggy-backed in the ``credits`` field of the next outgoing frame, or
+by an explicit CREDIT frame once ``owed >= threshold``.
+
+Rules, and why they cannot deadlock or storm:
+
+1. Piggy-back everything owed on every frame (``take_piggyback`` when building it).
+2. DATA and RNDV need ``peer_credits > reserve``: the last ``reserve`` credits are kept
+   for frames that return credit.
+3. A control frame (CREDIT, RNDV_DONE, CLOSE) may spend a reserved credit only if it
+   carries at least one returned credit (``owed > 0``); above the reserve it always may.
+   So whenever a side spends its last credit, the frame gives the peer at least one; the
+   two sides can therefore never both sit at zero credits once the wire is drained:
+   if A spent its last credit on F, the peer gets >= 1 from F, and to get back to zero
+   it must spend its own last credit on a frame that reaches A after F was sent,
+   giving A credit again.
+4. Explicit CREDIT only when ``owed >= threshold = max(2, local_slots // 2)``. With the
+   wire drained and both applications consuming, a side blocked on data holds at most
+   ``reserve`` credits, so the peer owes at least ``local_slots - reserve >= threshold``
+   (checked in ``__init__``) and has a credit to say so (rule 3): progress.
+5. Every received CREDIT costs its receiver a buffer and so creates one owed credit, but a
+   CREDIT needs ``threshold >= 2`` owed to be sent: each CREDIT frame pays for at most
+   half of another, so an idle connection quiesces instead of ping-ponging.
+
+Call order per outgoing frame: check ``can_send_*``, then ``consume()``, then
+``take_piggyback()`` (rule 3 looks at ``owed``; ``consume`` enforces it).
+"""
+
+from __future__ import annotations
+
+from .errors import LocalProtocolError, RemoteProtocolError
+from .framing import MAX_CREDITS
+
+__all__ = ["CreditState", "MIN_SLOTS"]
+
+MIN_SLOTS = 4
+"""Fewest receive buffers an endpoint may post (so ``local_slots - 1 >= threshold``)."""
+
+
+class CreditState:
+    """Credit accounting of one endpoint (both directions). Not thread-safe; sans-IO."""
+
+    __slots__ = (
+        "_peer_credits",
+        "_initial_peer",
+        "_local_slots",
+        "_owed",
+        "_reserve",
+        "_threshold",
+    )
+
+    def __init__(self, peer_credits: int, local_slots: int, *, reserve: int = 1) -> None:
+        """``peer_credits``: receive buffers the peer posted for us (its handshake);
+        ``local_slots``: receive buffers we post for the peer; ``reserve``: credits kept
+        back from DATA/RNDV. Raises ``ValueError`` if ``local_slots < 4``,
+        ``peer_credits < 4``, ``reserve < 1``, or the peer's threshold could not be reached
+        with ``reserve`` credits held back (rule 4)."""
+        if local_slots < MIN_SLOTS:
+            raise ValueError(f"local_slots must be >= {MIN_SLOTS}, got {local_slots}")
+        if peer_credits < MIN_SLOTS:
+            raise ValueError(f"peer_credits must be >= {MIN_SLOTS}, got {peer_credits}")
+        if reserve < 1:
+            raise ValueError(f"reserve must be >= 1, got {reserve}")
+        if peer_credits - reserve < _threshold(peer_credits):
+            raise ValueError(f"reserve {reserve} too large for {peer_credits} peer credits")
+        self._peer_credits = peer_credits
+        self._initial_peer = peer_credits
+        self._local_slots = local_slots
+        self._owed = 0
+        self._reserve = reserve
+        self._threshold = _threshold(local_slots)
+
+    # -- sender side ---------------------------------------------------------------------
+
+    @property
+    def peer_credits(self) -> int:
+        """Credits we hold: frames we may still send before the peer re-posts."""
+        return self._peer_credits
+
+    def can_send_data(self) -> bool:
+        """True if a DATA or RNDV frame may be sent now (``peer_credits > reserve``)."""
+        return self._peer_credits > self._reserve
+
+    def can_send_control(self) -> bool:
+        """True if a CREDIT, RNDV_DONE or CLOSE frame may be sent now: above the reserve,
+        or with a reserved credit when it will carry returned credit (``owed > 0``)."""
+        return self._peer_credits > self._reserve or (self._peer_credits > 0 and self._owed > 0)
+
+    def consume(self, control: bool = False) -> None:
+        """Spend one credit for a frame about to be posted. Raises ``LocalProtocolError``
+        when ``can_send_data()`` (or ``can_send_control()`` if ``control``) is False."""
+        if not (self.can_send_control() if control else self.can_send_data()):
+            kind = "control" if control else "data"
+            raise LocalProtocolError(
+                f"no credit to send a {kind} frame (peer_credits={self._peer_credits}, "
+                f"reserve={self._reserve}, owed={self._owed})"
+            )
+        self._peer_credits -= 1
+
+    def on_credits(self, n: int) -> None:
+        """The peer returned ``n`` credits (the ``credits`` field of a received frame).
+        Raises ``RemoteProtocolError`` if we would hold more than it ever granted."""
+        if n < 0:
+            raise LocalProtocolError(f"negative credit count {n}")
+        if self._peer_credits + n > self._initial_peer:
+            raise RemoteProtocolError(
+                f"peer returned {n} credits, holding {self._peer_credits} of the "
+                f"{self._initial_peer} it granted"
+            )
+        self._peer_credits += n
+
+    # -- receiver side -------------------------------------------------------------------
+
+    @property
+    def owed(self) -> int:
+        """Receive buffers re-posted and not yet reported to the peer."""
+        return self._owed
+
+    @property
+    def threshold(self) -> int:
+        """``owed`` at which an explicit CREDIT frame is due: ``max(2, local_slots // 2)``."""
+        return self._threshold
+
+    def on_reposted(self, n: int = 1) -> None:
+        """We re-posted ``n`` receive buffers; we now owe the peer ``n`` more credits.
+        Raises ``LocalProtocolError`` if that would exceed ``local_slots``."""
+        if n < 0 or self._owed + n > self._local_slots:
+            raise LocalProtocolError(
+                f"re-posted {n} buffers with {self._owed} already owed of {self._local_slots}"
+            )
+        self._owed += n
+
+    def take_piggyback(self) -> int:
+        """Return the credits to put in an outgoing frame's header (at most 65535) and
+        stop owing them. Call once per frame, after ``consume``."""
+        n = self._owed if self._owed <= MAX_CREDITS else MAX_CREDITS
+        self._owed -= n
+        return n
+
+    def should_send_credit(self) -> bool:
+        """True if an explicit CREDIT frame is due now (``owed >= threshold`` and
+        ``can_send_control()``)."""
+        return self._owed >= self._threshold and self.can_send_control()
+
+    def __repr__(self) -> str:
+        return (
+            f"<CreditState peer_credits={self._peer_credits}/{self._initial_peer} "
+            f"reserve={self._reserve} owed={self._owed} local_slots={self._local_slots} "
+            f"threshold={self._threshold}>"
+        )
+
+
+def _threshold(slots: int) -> int:
+    return max(2, slots // 2)
