@@ -1,0 +1,42 @@
+# aiordma — everything a fresh machine needs goes through these targets.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+SIZES ?= 0,64,4K,1M,64M
+COUNT ?= 200
+
+.PHONY: setup echo test test-fast test-rxe test-rxe-bookworm lint bench clean
+
+$(VENV)/.stamp: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+setup: $(VENV)/.stamp
+
+## The main job: async echo across two processes on the soft provider.
+echo: setup
+	AIORDMA_PROVIDER=soft $(PY) examples/echo_pair.py --count $(COUNT) --size $(SIZES)
+
+## Fast tier: unit, sans-IO and provider-parametrised tests on `soft`, both loops,
+## plus mypy and ruff.
+test-fast: setup
+	AIORDMA_PROVIDER=soft $(PY) -m pytest -q
+
+test: test-fast
+
+lint: setup
+	$(PY) -m ruff check aiordma tests examples benchmarks
+	$(PY) -m mypy
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+
+## Soft-RoCE VM tier (tests/rxe/README.md): the suite on real verbs (rdma_rxe) in a
+## throw-away Debian VM under qemu. forky: rdma-core/pyverbs 65; bookworm: 44.
+test-rxe:
+	bash tests/rxe/run-vm.sh
+
+test-rxe-bookworm:
+	AIORDMA_RXE_SUITE=bookworm bash tests/rxe/run-vm.sh

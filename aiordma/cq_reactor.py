@@ -1,0 +1,338 @@
+"""The completion reactor: the only place where verbs completions meet the event loop.
+
+One ``CQReactor`` per (device context, event loop). It owns completion queues, each
+with its own completion channel (an event for a foreign CQ would be consumed and never
+acknowledged otherwise), registers each channel's fd with ``loop.add_reader``, and
+dispatches every work completion to the handler registered for its ``wr_id``.
+
+Facts about completion channels that this loop relies on (verbs, and our ``soft``
+provider, which copies them):
+
+1. ``req_notify`` arms a CQ once. The next completion *added after arming* queues one
+   event on the channel and disarms the CQ. Completions already in the CQ when it is
+   armed do not produce an event. Hence the order on every wake-up: read events, ack,
+   **re-arm, then poll until empty**. Polling before arming only would lose the
+   completions that arrive between the last empty poll and the arm: nothing would wake
+   us for them, and the program would hang. No timer papers over that here.
+2. The channel fd is readable while at least one event is queued; reading an event
+   (``get_event``) never blocks because the fd is non-blocking (EAGAIN ends the loop).
+3. Every event must be acknowledged before its CQ is destroyed (ibv_destroy_cq blocks
+   otherwise). Acks are batched: we count events per CQ and ack them once per wake-up
+   (one mutex round-trip in libibverbs instead of one per event) and on close.
+4. Spurious wake-ups are harmless: an event whose completions we already drained makes
+   the poll return nothing.
+
+Poll policy (``AIORDMA_POLL_MODE``, ``AIORDMA_SPIN_US``):
+
+* ``blocking``: after draining, arm and return to the loop (spin 0).
+* ``hybrid`` (default): after a wake-up, while operations are outstanding, busy-poll
+  the CQ for up to ``spin_us`` microseconds before going back to the loop. The CQ is
+  armed *before* spinning, so a completion during the spin is either polled now or
+  wakes us later; never lost. The spin never holds the loop longer than the budget.
+* ``polling``: while operations are outstanding, poll once per loop iteration
+  (``call_soon``), never arming; when nothing is outstanding, arm and block.
+
+Handlers: ``register(handler, arg) -> wr_id`` stores ``(handler, arg)`` under a
+counter-generated wr_id; the completion calls ``handler(wc, arg)`` exactly once, on
+the loop thread, in CQ order. ``arg`` keeps the operation's buffers alive until then,
+even when the awaiting task was cancelled (``future_handler`` drops the result of a
+cancelled future quietly). Exceptions raised by handlers go to the loop's exception
+handler and never stop the dispatch of the other completions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from .errors import CQOverrunError, RDMAError, completion_error
+from .verbs import CQ, WC, CompChannel, Context, WCStatus
+
+Handler = Callable[[WC, Any], None]
+
+MODES = ("blocking", "hybrid", "polling")
+DEFAULT_MODE = "blocking"
+DEFAULT_SPIN_US = 20
+_POLL_BATCH = 32
+_ACK_BATCH = 64
+
+
+def poll_settings(mode: str | None = None, spin_us: int | None = None) -> tuple[str, int]:
+    """Resolve (mode, spin_us) from arguments, then environment, then defaults.
+
+    Raises ValueError for an unknown mode or a negative spin.
+    """
+    mode = mode or os.environ.get("AIORDMA_POLL_MODE") or DEFAULT_MODE
+    if mode not in MODES:
+        raise ValueError(f"poll mode must be one of {', '.join(MODES)}, not {mode!r}")
+    if spin_us is None:
+        env = os.environ.get("AIORDMA_SPIN_US")
+        spin_us = int(env) if env else DEFAULT_SPIN_US
+    if spin_us < 0:
+        raise ValueError("spin_us must be >= 0")
+    if mode == "blocking":
+        spin_us = 0
+    return mode, spin_us
+
+
+class _CQSlot:
+    """One CQ, its channel, and the capacity reserved on it."""
+
+    __slots__ = ("cq", "channel", "capacity", "reserved", "unacked", "fd")
+
+    def __init__(self, cq: CQ, channel: CompChannel, capacity: int) -> None:
+        self.cq = cq
+        self.channel = channel
+        self.capacity = capacity
+        self.reserved = 0
+        self.unacked = 0
+        self.fd = channel.fd
+
+
+def future_handler(wc: WC, fut: asyncio.Future[WC]) -> None:
+    """A handler resolving ``fut`` with the WC, or with the typed CompletionError.
+
+    A future that is already done (cancelled) is left alone: the completion is
+    dropped quietly, its buffers are released with the table entry.
+    """
+    if fut.done():
+        return
+    if wc.status == WCStatus.SUCCESS:
+        fut.set_result(wc)
+    else:
+        fut.set_exception(completion_error(wc.status, vendor_err=wc.vendor_err,
+                                           wr_id=wc.wr_id, opcode=wc.opcode))
+
+
+class CQReactor:
+    """Completion dispatch for one device context on one event loop.
+
+    Use ``CQReactor.for_context(ctx, loop)``; the reactor lives while any CQ it made is
+    in use and is closed with ``close()`` (or by the last ``release_cq``).
+    """
+
+    _instances: weakref.WeakValueDictionary[tuple[int, int], CQReactor] = (
+        weakref.WeakValueDictionary())
+
+    def __init__(self, ctx: Context, loop: asyncio.AbstractEventLoop, *, mode: str | None = None,
+                 spin_us: int | None = None, cq_size: int = 4096) -> None:
+        self.ctx = ctx
+        self.loop = loop
+        self.mode, self.spin_us = poll_settings(mode, spin_us)
+        self.cq_size = cq_size
+        self._slots: list[_CQSlot] = []
+        self._table: dict[int, tuple[Handler, Any]] = {}
+        self._next_wr_id = 1
+        self._closed = False
+        self._poll_scheduled = False
+        # statistics
+        self.wakeups = 0
+        self.spins = 0
+        self.polls = 0
+        self.completions = 0
+        self.spin_hits = 0
+        self.unknown_wr_ids = 0
+
+    @classmethod
+    def for_context(cls, ctx: Context, loop: asyncio.AbstractEventLoop | None = None,
+                    **opts: Any) -> CQReactor:
+        """The reactor of (ctx, loop), created on first use."""
+        loop = loop or asyncio.get_running_loop()
+        key = (id(ctx), id(loop))
+        r = cls._instances.get(key)
+        if r is None or r._closed:
+            r = cls(ctx, loop, **opts)
+            cls._instances[key] = r
+        return r
+
+    # -- CQ capacity ---------------------------------------------------------------
+    def acquire_cq(self, entries: int) -> CQ:
+        """A CQ with room for ``entries`` more outstanding completions (x2 headroom).
+
+        The caller must never have more than ``entries`` WRs outstanding on it and must
+        give the reservation back with ``release_cq(cq, entries)``.
+        """
+        if self._closed:
+            raise RDMAError("reactor is closed")
+        need = 2 * entries
+        for slot in self._slots:
+            if slot.capacity - slot.reserved >= need:
+                slot.reserved += need
+                return slot.cq
+        capacity = max(self.cq_size, need)
+        channel = self.ctx.create_comp_channel()
+        try:
+            cq = self.ctx.create_cq(capacity, channel)
+        except BaseException:
+            channel.close()
+            raise
+        slot = _CQSlot(cq, channel, capacity)
+        slot.reserved = need
+        self._slots.append(slot)
+        cq.req_notify()
+        self.loop.add_reader(slot.fd, self._on_readable, slot)
+        return cq
+
+    def release_cq(self, cq: CQ, entries: int) -> None:
+        """Give back a reservation made by ``acquire_cq``."""
+        for slot in self._slots:
+            if slot.cq is cq:
+                slot.reserved = max(0, slot.reserved - 2 * entries)
+                return
+
+    # -- wr_id table ---------------------------------------------------------------
+    def register(self, handler: Handler, arg: Any) -> int:
+        """A new wr_id whose completion will call ``handler(wc, arg)`` once."""
+        wr_id = self._next_wr_id
+        self._next_wr_id = wr_id + 1
+        self._table[wr_id] = (handler, arg)
+        return wr_id
+
+    def unregister(self, wr_id: int) -> None:
+        """Forget a wr_id that was never posted (post refused)."""
+        self._table.pop(wr_id, None)
+
+    @property
+    def outstanding(self) -> int:
+        return len(self._table)
+
+    # -- the completion path ---------------------------------------------------------
+    def _on_readable(self, slot: _CQSlot) -> None:
+        self.wakeups += 1
+        channel = slot.channel
+        while channel.get_event() is not None:
+            slot.unacked += 1
+        if slot.unacked >= _ACK_BATCH:
+            slot.cq.ack_events(slot.unacked)
+            slot.unacked = 0
+        self._drain(slot)
+        slot.cq.req_notify()
+        self._drain(slot)
+        if self.mode == "hybrid" and self.spin_us and self._table:
+            self._spin(slot)
+        elif self.mode == "polling" and self._table:
+            self._schedule_poll()
+
+    def _drain(self, slot: _CQSlot) -> int:
+        total = 0
+        poll = slot.cq.poll
+        while True:
+            self.polls += 1
+            try:
+                wcs = poll(_POLL_BATCH)
+            except CQOverrunError as exc:
+                self._fail_all(exc)
+                return total
+            if not wcs:
+                return total
+            total += len(wcs)
+            self._dispatch(wcs)
+
+    def drain_cq(self, cq: CQ) -> int:
+        """Poll ``cq`` until empty now, dispatching what it holds; returns the count."""
+        for slot in self._slots:
+            if slot.cq is cq:
+                return self._drain(slot)
+        return 0
+
+    def _dispatch(self, wcs: list[WC]) -> None:
+        table = self._table
+        self.completions += len(wcs)
+        for wc in wcs:
+            entry = table.pop(wc.wr_id, None)
+            if entry is None:
+                self.unknown_wr_ids += 1
+                continue
+            try:
+                entry[0](wc, entry[1])
+            except Exception as exc:  # a bug in a handler must not stop the dispatch
+                self.loop.call_exception_handler({
+                    "message": "aiordma: completion handler raised",
+                    "exception": exc,
+                })
+
+    def _spin(self, slot: _CQSlot) -> None:
+        self.spins += 1
+        deadline = time.perf_counter() + self.spin_us * 1e-6
+        while self._table and time.perf_counter() < deadline:
+            if self._drain(slot):
+                self.spin_hits += 1
+                deadline = time.perf_counter() + self.spin_us * 1e-6
+
+    def _schedule_poll(self) -> None:
+        if not self._poll_scheduled and not self._closed:
+            self._poll_scheduled = True
+            self.loop.call_soon(self._poll_tick)
+
+    def _poll_tick(self) -> None:
+        self._poll_scheduled = False
+        if self._closed:
+            return
+        for slot in self._slots:
+            self._drain(slot)
+        if self._table:
+            self._schedule_poll()
+
+    def poke(self) -> None:
+        """Called after posting work: in polling mode, make sure a poll is scheduled."""
+        if self.mode == "polling":
+            self._schedule_poll()
+
+    def _fail_all(self, exc: BaseException) -> None:
+        """CQ overrun: completions are lost; fail every waiter (never expected)."""
+        table, self._table = self._table, {}
+        for wr_id, (handler, arg) in table.items():
+            wc = WC(wr_id, WCStatus.GENERAL_ERR, 0)  # type: ignore[arg-type]
+            try:
+                handler(wc, arg)
+            except Exception:
+                pass
+        self.loop.call_exception_handler({"message": "aiordma: CQ overrun", "exception": exc})
+
+    # -- lifecycle -------------------------------------------------------------------
+    def statistics(self) -> dict[str, Any]:
+        """Counters: wakeups, spins, spin_hits, polls, completions, completions per
+        wake-up, outstanding WRs, CQs, mode and spin budget."""
+        return {
+            "mode": self.mode,
+            "spin_us": self.spin_us,
+            "wakeups": self.wakeups,
+            "spins": self.spins,
+            "spin_hits": self.spin_hits,
+            "polls": self.polls,
+            "completions": self.completions,
+            "completions_per_wakeup": self.completions / self.wakeups if self.wakeups else 0.0,
+            "outstanding": len(self._table),
+            "cqs": len(self._slots),
+            "unknown_wr_ids": self.unknown_wr_ids,
+        }
+
+    def close(self) -> None:
+        """Remove the readers, ack every event, destroy CQs then channels. Idempotent.
+
+        Pending handlers are dropped: callers close their QPs (and collect the flush)
+        before closing the reactor.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        for slot in self._slots:
+            if not self.loop.is_closed():
+                self.loop.remove_reader(slot.fd)
+            while slot.channel.get_event() is not None:
+                slot.unacked += 1
+            if slot.unacked:
+                slot.cq.ack_events(slot.unacked)
+                slot.unacked = 0
+            slot.cq.close()
+            slot.channel.close()
+        self._slots.clear()
+        self._table.clear()
+
+    def __repr__(self) -> str:
+        return (f"<CQReactor {self.ctx.name} mode={self.mode} spin_us={self.spin_us} "
+                f"cqs={len(self._slots)} outstanding={len(self._table)}>")

@@ -1,0 +1,1130 @@
+"""``Endpoint``: a reliable, message-oriented RDMA connection (one RC QP).
+
+Resources of one endpoint: its own protection domain (keys handed to this peer are
+useless on any other QP), one RC QP, a CQ reservation on the device's reactor, a
+registered pool of receive buffers posted for the peer (the peer's credits), a pool of
+eager send buffers, and staging caches for rendezvous. Nothing is registered per
+message.
+
+Messages: a message up to ``eager_size - 8`` bytes travels in one SEND (8-byte frame
+header + payload). A larger one goes by rendezvous: the sender SENDs a descriptor of a
+registered source (the user's own region when the bytes lie in one registered for
+remote read, else a staging copy), the receiver RDMA-READs it straight into the
+destination (``recv_into`` with a registered buffer) or into staging, then sends
+RNDV_DONE, which completes the sender's ``send()``.
+
+Flow control: receive credits (``protocol.credits``); RNR never happens by design.
+
+Failure: the first error (a failed completion, a protocol violation, the peer gone)
+moves the QP to ERR; every pending operation then fails with ``ConnectionClosed``
+whose ``__cause__`` is that first error; an operation whose own completion carried an
+access or length error raises that typed ``CompletionError``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import logging
+import random
+import struct
+from typing import Any
+
+from .cq_reactor import CQReactor
+from .device import Device
+from .errors import (
+    CompletionError,
+    ConnectionClosed,
+    FlushedError,
+    MessageTooLarge,
+    RDMAError,
+    RetryExceededError,
+    RNRRetryExceededError,
+    completion_error,
+)
+from .memory import (
+    LocalSpan,
+    MemoryRegion,
+    RegionTable,
+    RemoteBuffer,
+    SlotPool,
+    Staging,
+    StagingCache,
+)
+from .options import EndpointOptions
+from .protocol.credits import CreditState
+from .protocol.errors import RemoteProtocolError
+from .protocol.framing import (
+    HEADER_SIZE,
+    FrameType,
+    parse_frame,
+    write_close,
+    write_credit,
+    write_data_header,
+    write_rndv,
+    write_rndv_done,
+)
+from .protocol.handshake import Hello
+from .sendq import SendQueue
+from .verbs import (
+    MTU,
+    SGE,
+    WC,
+    Access,
+    AHAttr,
+    QPAttr,
+    QPCap,
+    QPState,
+    RecvWR,
+    SendFlags,
+    SendWR,
+    WCOpcode,
+    WCStatus,
+    WROpcode,
+)
+
+log = logging.getLogger("aiordma")
+
+_U64 = struct.Struct("<Q")
+_MASK64 = (1 << 64) - 1
+
+# op kinds
+_DATA, _RNDV, _CTRL, _WRITE, _READ, _ATOMIC, _IMM, _RNDV_READ = range(8)
+_GRACE_S = 1.0  # after the peer's EOF, how long posted work may take to complete
+_PEER_GONE = (WCStatus.RETRY_EXC_ERR, WCStatus.RNR_RETRY_EXC_ERR)
+
+
+class _Op:
+    """One operation on the send queue (or waiting for resources to be posted)."""
+
+    __slots__ = ("kind", "fut", "slot", "keep", "wr", "payload", "msg_id", "posted")
+
+    def __init__(self, kind: int, fut: asyncio.Future[Any] | None, *, payload: Any = None,
+                 wr: SendWR | None = None, keep: Any = None, msg_id: int = 0) -> None:
+        self.kind = kind
+        self.fut = fut
+        self.slot: int | None = None
+        self.keep = keep
+        self.wr = wr
+        self.payload = payload
+        self.msg_id = msg_id
+        self.posted = False
+
+
+class _Rx:
+    """A received message waiting for the application (head of the receive queue)."""
+
+    __slots__ = ("kind", "slot", "offset", "length", "addr", "rkey", "msg_id", "read_fut",
+                 "staging", "done_sent")
+
+    def __init__(self, kind: int, *, slot: int = -1, offset: int = 0, length: int = 0,
+                 addr: int = 0, rkey: int = 0, msg_id: int = 0) -> None:
+        self.kind = kind
+        self.slot = slot
+        self.offset = offset
+        self.length = length
+        self.addr = addr
+        self.rkey = rkey
+        self.msg_id = msg_id
+        self.read_fut: asyncio.Future[None] | None = None
+        self.staging: Staging | None = None
+        self.done_sent = False
+
+
+_RX_DATA, _RX_RNDV, _RX_EOF = range(3)
+
+
+class Endpoint:
+    """A connected RDMA endpoint. Create with ``aiordma.connect`` or ``aiordma.listen``.
+
+    Methods are coroutine-safe on one event loop: concurrent ``send``s are delivered in
+    the order they were called; ``recv``/``recv_into`` serve callers in FIFO order and
+    a cancelled receive never loses a message. ``async with ep:`` closes gracefully.
+    """
+
+    def __init__(self, device: Device, opts: EndpointOptions, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._device = device
+        self._opts = opts
+        self.max_message_size = opts.max_message_size
+        self.provider = device.provider
+        self.device_name = device.name
+        self._reactor: CQReactor = device.reactor(loop, mode=opts.poll_mode, spin_us=opts.spin_us)
+        ctx = device.ctx
+        dattr = ctx.query_device()
+        self._port = ctx.query_port(1)
+        self._inline = min(opts.inline_threshold, dattr.max_inline_data)
+        self._recv_depth = min(opts.recv_depth, dattr.max_qp_wr)
+        self._send_depth = min(opts.send_depth, dattr.max_qp_wr)
+        self._eager = opts.eager_size
+        self._eager_payload = opts.eager_size - HEADER_SIZE
+        self._closers: list[Any] = []  # what teardown destroys, in reverse order
+        self._pd = ctx.alloc_pd()
+        try:
+            entries = self._send_depth + self._recv_depth
+            self._cq = self._reactor.acquire_cq(entries)
+            self._cq_entries = entries
+            self._rpool = SlotPool(self._pd, self._eager, self._recv_depth)
+            self._spool = SlotPool(self._pd, self._eager, self._send_depth)
+            self._staging_out = StagingCache(self._pd, Access.LOCAL_WRITE | Access.REMOTE_READ)
+            self._staging_in = StagingCache(self._pd, Access.LOCAL_WRITE)
+            self._qp = self._pd.create_qp(self._cq, self._cq, QPCap(
+                max_send_wr=self._send_depth, max_recv_wr=self._recv_depth,
+                max_send_sge=1, max_recv_sge=1, max_inline_data=self._inline))
+            self._qp.modify(QPAttr(QPState.INIT, port_num=1, qp_access_flags=(
+                Access.LOCAL_WRITE | Access.REMOTE_READ | Access.REMOTE_WRITE
+                | Access.REMOTE_ATOMIC)))
+        except BaseException:
+            self._destroy_resources()
+            raise
+        self.qp_num = self._qp.qp_num
+        self._psn = random.randrange(1 << 24)
+        self._sq = SendQueue(self._send_depth, opts.signal_interval)
+        self._regions = RegionTable()
+        self._credits: CreditState | None = None
+        self._ctrlq: collections.deque[_Op] = collections.deque()
+        self._oneq: collections.deque[_Op] = collections.deque()
+        self._sendq: collections.deque[_Op] = collections.deque()
+        self._rx: collections.deque[_Rx] = collections.deque()
+        self._rx_waiters: list[asyncio.Future[None]] = []
+        self._imm: collections.deque[int] = collections.deque()
+        self._imm_waiters: list[asyncio.Future[None]] = []
+        self._recv_lock = asyncio.Lock()
+        self._rndv_out: dict[int, _Op] = {}
+        self._prefetched = 0  # bytes of rendezvous messages read ahead into staging
+        self._msg_ids = itertools.count(1)
+        self._posted_recvs = 0
+        self._in_tick = False
+        self._pump_scheduled = False
+        self._first_error: BaseException | None = None
+        self._failed = False
+        self._close_sent = False
+        self._remote_closed = False
+        self._closing: asyncio.Future[None] | None = None
+        self._teardown_task: asyncio.Task[None] | None = None
+        self._drained = loop.create_future()
+        self._done = loop.create_future()
+        self._control: asyncio.StreamWriter | None = None
+        self._watch_task: asyncio.Task[None] | None = None
+        self.local_address: tuple[Any, ...] | None = None
+        self.peer_address: tuple[Any, ...] | None = None
+        self.peer_qp_num = 0
+        # counters
+        self.messages_sent = 0
+        self.messages_received = 0
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        for _i in range(self._recv_depth):
+            slot = self._rpool.acquire()
+            assert slot is not None
+            self._post_recv_slot(slot)
+
+    # ---------------------------------------------------------------- setup helpers
+    def local_hello(self, local_ip: str) -> Hello:
+        """Our half of the handshake: QP number, PSN, GID for ``local_ip``, limits."""
+        ctx = self._device.ctx
+        self._gid_index = ctx.gid_index_for(local_ip)
+        gid = ctx.query_gid(1, self._gid_index)
+        return Hello(qp_num=self.qp_num, psn=self._psn, gid=gid, lid=self._port.lid,
+                     mtu=int(self._port.active_mtu), recv_credits=self._recv_depth,
+                     eager_size=self._eager, max_message_size=self.max_message_size,
+                     provider=self.provider)
+
+    def establish(self, peer: Hello) -> None:
+        """Move the QP to RTS towards ``peer``. Raises RDMAError on failure."""
+        if peer.eager_size != self._eager:
+            # Frames must fit the peer's receive buffers: use the smaller size.
+            self._eager = min(self._eager, peer.eager_size)
+            self._eager_payload = self._eager - HEADER_SIZE
+        self.max_message_size = min(self.max_message_size, peer.max_message_size)
+        self.peer_qp_num = peer.qp_num
+        mtu = MTU(min(peer.mtu, int(self._port.active_mtu)))
+        self._qp.modify(QPAttr(QPState.RTR, path_mtu=mtu, dest_qp_num=peer.qp_num,
+                               rq_psn=peer.psn, max_dest_rd_atomic=16, min_rnr_timer=12,
+                               ah_attr=AHAttr(dgid=peer.gid, dlid=peer.lid,
+                                              sgid_index=self._gid_index, port_num=1)))
+        self._qp.modify(QPAttr(QPState.RTS, sq_psn=self._psn, timeout=14, retry_cnt=7,
+                               rnr_retry=7, max_rd_atomic=16))
+        self._credits = CreditState(peer.recv_credits, self._recv_depth)
+
+    def start(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Begin watching the out-of-band TCP connection: its EOF means the peer is gone."""
+        self._control = writer
+        self.local_address = writer.get_extra_info("sockname")
+        self.peer_address = writer.get_extra_info("peername")
+        self._watch_task = self._loop.create_task(self._watch_control(reader))
+
+    async def _watch_control(self, reader: asyncio.StreamReader) -> None:
+        try:
+            while await reader.read(4096):
+                pass  # nothing is sent on it after the handshake; ignore stray bytes
+        except (ConnectionError, OSError):
+            pass
+        except asyncio.CancelledError:
+            return
+        if self._failed or self._done.done():
+            return
+        # The peer's CLOSE frame, if it sent one, is in our CQ by now (its SEND was
+        # acknowledged before it dropped the connection): collect it first.
+        self._reactor.drain_cq(self._cq)
+        if not self._remote_closed:
+            # Work already posted ends with its own completion shortly (the peer's QP is
+            # in ERR or gone): give it a moment so callers see the precise error.
+            deadline = self._loop.time() + _GRACE_S
+            while self._sq.used and not self._failed and self._loop.time() < deadline:
+                await asyncio.sleep(0.005)
+            self._fail(ConnectionClosed("peer closed the connection"))
+        # else: like TCP's CLOSE_WAIT: the application still reads what was sent before
+        # the peer's CLOSE, then closes us.
+
+    # ---------------------------------------------------------------- properties
+    @property
+    def closed(self) -> bool:
+        """True once ``close()`` or ``abort()`` was called or the connection failed."""
+        return self._failed or self._closing is not None
+
+    def __repr__(self) -> str:
+        state = "failed" if self._failed else "closing" if self._closing else "open"
+        return (f"<Endpoint {self.provider}:{self.device_name} qp={self.qp_num}->"
+                f"{self.peer_qp_num} {state} peer={self.peer_address}>")
+
+    def statistics(self) -> dict[str, Any]:
+        """Counters and queue levels of this endpoint."""
+        c = self._credits
+        return {
+            "messages_sent": self.messages_sent,
+            "messages_received": self.messages_received,
+            "bytes_sent": self.bytes_sent,
+            "bytes_received": self.bytes_received,
+            "send_queue_used": self._sq.used,
+            "queued": len(self._sendq) + len(self._oneq) + len(self._ctrlq),
+            "peer_credits": c.peer_credits if c else 0,
+            "owed_credits": c.owed if c else 0,
+            "posted_recvs": self._posted_recvs,
+            "rx_queued": len(self._rx),
+            "staging_registrations": (self._staging_in.registrations
+                                      + self._staging_out.registrations),
+        }
+
+    # ---------------------------------------------------------------- memory
+    def register(self, buffer: Any, *, remote_read: bool = False, remote_write: bool = False,
+                 remote_atomic: bool = False) -> MemoryRegion:
+        """Register a writable buffer with this endpoint's PD.
+
+        Rights: LOCAL_WRITE plus exactly the remote rights asked for. Raises TypeError
+        for a read-only or non-contiguous buffer, ConnectionClosed when closed.
+        """
+        self._check_open()
+        access = Access.LOCAL_WRITE
+        if remote_read:
+            access |= Access.REMOTE_READ
+        if remote_write:
+            access |= Access.REMOTE_WRITE
+        if remote_atomic:
+            access |= Access.REMOTE_ATOMIC
+        region = MemoryRegion(self._pd.reg_mr(buffer, access), self._regions)
+        self._regions.add(region)
+        return region
+
+    # ---------------------------------------------------------------- two-sided
+    async def send(self, data: Any) -> None:
+        """Send one message (any bytes-like object, 0 bytes to ``max_message_size``).
+
+        Returns when the peer's device has the whole message. Raises TypeError for a
+        non-bytes-like object, MessageTooLarge, ConnectionClosed. If cancelled before
+        the message was handed to the device it is not sent; after that it is
+        delivered, and its buffers stay pinned until the device is done. The data is
+        copied (eager) or must not change until ``send`` returns (rendezvous from a
+        registered region).
+        """
+        self._check_send()
+        try:
+            mv = memoryview(data)
+        except TypeError:
+            raise TypeError(f"a bytes-like object is required, not {type(data).__name__!r}") from None
+        if mv.ndim != 1 or mv.format != "B":
+            if not mv.c_contiguous:
+                raise TypeError("a C-contiguous buffer is required")
+            mv = mv.cast("B")
+        n = mv.nbytes
+        if n > self.max_message_size:
+            raise MessageTooLarge(f"message of {n} bytes exceeds max_message_size "
+                                  f"{self.max_message_size}", n)
+        fut: asyncio.Future[None] = self._loop.create_future()
+        if n <= self._eager_payload:
+            op = _Op(_DATA, fut, payload=mv)
+        else:
+            op = _Op(_RNDV, fut, payload=self._rndv_source(mv), msg_id=next(self._msg_ids))
+        self._sendq.append(op)
+        self._kick()
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if not op.posted:
+                self._unqueue(self._sendq, op)
+            raise
+        self.messages_sent += 1
+        self.bytes_sent += n
+
+    def _rndv_source(self, mv: memoryview) -> Any:
+        """A registered, remotely readable copy of (or view on) ``mv`` for rendezvous."""
+        try:
+            span = self._regions.resolve(mv, writable=False)
+        except (ValueError, TypeError):
+            span = None
+        if span is not None and isinstance(span.keep, tuple):
+            region = span.keep[1]
+            if region.access & Access.REMOTE_READ:
+                return span
+        st = self._staging_out.lease(mv.nbytes)
+        st.view[:] = mv
+        return st
+
+    async def recv(self) -> bytes:
+        """The next whole message, as bytes.
+
+        Raises ConnectionClosed after the peer closed (once everything it sent before
+        is delivered) or when the connection failed. Cancellation never loses a message.
+        """
+        async with self._recv_lock:
+            rx = await self._next_rx()
+            if rx.kind == _RX_DATA:
+                data = bytes(self._rpool.view[rx.offset: rx.offset + rx.length])
+                self._consume_data(rx)
+                return data
+            st = await self._rndv_fetch(rx, None)
+            assert st is not None
+            data = bytes(st.view)
+            self._consume_rndv(rx)
+            return data
+
+    async def recv_into(self, buffer: Any) -> int:
+        """Receive the next message into ``buffer``; returns its length.
+
+        A buffer registered with this endpoint gets large messages by zero-copy RDMA
+        READ. Raises TypeError for a read-only buffer, MessageTooLarge (message kept for
+        the next receive) when it does not fit, ConnectionClosed as ``recv``.
+        """
+        try:
+            out = memoryview(buffer)
+        except TypeError:
+            raise TypeError(f"a writable bytes-like object is required, not "
+                            f"{type(buffer).__name__!r}") from None
+        if out.readonly:
+            raise TypeError("recv_into needs a writable buffer")
+        if out.ndim != 1 or out.format != "B":
+            out = out.cast("B")
+        async with self._recv_lock:
+            rx = await self._next_rx()
+            if rx.length > out.nbytes:
+                raise MessageTooLarge(f"message of {rx.length} bytes does not fit a buffer of "
+                                      f"{out.nbytes}; it is kept for the next receive", rx.length)
+            if rx.kind == _RX_DATA:
+                out[: rx.length] = self._rpool.view[rx.offset: rx.offset + rx.length]
+                n = rx.length
+                self._consume_data(rx)
+                return n
+            span: LocalSpan | None
+            try:
+                span = self._regions.resolve(out[: rx.length], writable=True)
+            except ValueError:
+                span = None
+            st = await self._rndv_fetch(rx, span)
+            if st is not None:
+                out[: rx.length] = st.view
+            n = rx.length
+            self._consume_rndv(rx)
+            return n
+
+    async def _next_rx(self) -> _Rx:
+        while True:
+            if self._failed:
+                raise self._closed_error()
+            if self._rx:
+                rx = self._rx[0]
+                if rx.kind == _RX_EOF:
+                    raise ConnectionClosed("the peer closed the connection")
+                return rx
+            if self._closing is not None:
+                raise self._closed_error()
+            fut: asyncio.Future[None] = self._loop.create_future()
+            self._rx_waiters.append(fut)
+            try:
+                await fut
+            finally:
+                if fut in self._rx_waiters:
+                    self._rx_waiters.remove(fut)
+
+    async def _rndv_fetch(self, rx: _Rx, span: LocalSpan | None) -> Staging | None:
+        """READ the rendezvous message ``rx`` into ``span`` or into staging (returned).
+
+        Survives cancellation: an interrupted READ into staging is reused by the next
+        receiver; one into a (cancelled) caller's buffer is simply read again.
+        """
+        if rx.read_fut is not None:
+            await asyncio.shield(rx.read_fut)
+            if rx.staging is None:
+                rx.read_fut = None  # landed in a cancelled caller's buffer: read again
+        if rx.read_fut is None:
+            await asyncio.shield(self._start_rndv_read(rx, span))
+        return rx.staging
+
+    def _start_rndv_read(self, rx: _Rx, span: LocalSpan | None) -> asyncio.Future[None]:
+        """Post the READ of rendezvous message ``rx`` into ``span`` or a staging lease."""
+        if span is None:
+            rx.staging = self._staging_in.lease(rx.length)
+            self._prefetched += rx.length
+            target = LocalSpan(rx.staging.mr.addr, rx.length, rx.staging.mr.lkey, rx.staging)
+        else:
+            rx.staging = None
+            target = span
+        fut: asyncio.Future[None] = self._loop.create_future()
+        rx.read_fut = fut
+        wr = SendWR(0, WROpcode.RDMA_READ, [SGE(target.addr, rx.length, target.lkey)],
+                    remote_addr=rx.addr, rkey=rx.rkey)
+        self._oneq.append(_Op(_RNDV_READ, fut, wr=wr, keep=target))
+        self._kick()
+        if rx.staging is not None:
+            fut.add_done_callback(lambda f: self._rndv_staged(rx, f))
+        return fut
+
+    def _rndv_staged(self, rx: _Rx, fut: asyncio.Future[None]) -> None:
+        """The message is in our staging buffer: release the sender's source now."""
+        if not fut.cancelled() and fut.exception() is None and not rx.done_sent:
+            rx.done_sent = True
+            self._queue_ctrl(FrameType.RNDV_DONE, rx.msg_id)
+
+    def _consume_data(self, rx: _Rx) -> None:
+        self._rx.popleft()
+        self.messages_received += 1
+        self.bytes_received += rx.length
+        self._repost(rx.slot)
+
+    def _consume_rndv(self, rx: _Rx) -> None:
+        self._rx.popleft()
+        self.messages_received += 1
+        self.bytes_received += rx.length
+        if rx.staging is not None:
+            self._prefetched -= rx.length
+            rx.staging.release()
+            rx.staging = None
+        if not rx.done_sent:
+            rx.done_sent = True
+            self._queue_ctrl(FrameType.RNDV_DONE, rx.msg_id)
+
+    # ---------------------------------------------------------------- one-sided
+    async def write(self, local: Any, remote: RemoteBuffer) -> None:
+        """RDMA WRITE all of ``local`` (a MemoryRegion or a buffer inside one registered
+        with this endpoint) to the start of ``remote``.
+
+        Raises ValueError (unregistered buffer, longer than ``remote``), TypeError,
+        RemoteAccessError (peer refused: bad rkey, range, or right), ConnectionClosed.
+        """
+        span = self._one_sided_span(local, remote, writable=False)
+        wr = SendWR(0, WROpcode.RDMA_WRITE, [SGE(span.addr, span.length, span.lkey)],
+                    remote_addr=remote.addr, rkey=remote.rkey)
+        await self._one_sided(_Op(_WRITE, None, wr=wr, keep=span))
+
+    async def read(self, local: Any, remote: RemoteBuffer) -> None:
+        """RDMA READ ``len(local)`` bytes from the start of ``remote`` into ``local``.
+
+        Raises as ``write``; ``local`` must be writable.
+        """
+        span = self._one_sided_span(local, remote, writable=True)
+        wr = SendWR(0, WROpcode.RDMA_READ, [SGE(span.addr, span.length, span.lkey)],
+                    remote_addr=remote.addr, rkey=remote.rkey)
+        await self._one_sided(_Op(_READ, None, wr=wr, keep=span))
+
+    async def write_with_imm(self, local: Any, remote: RemoteBuffer, imm: int) -> None:
+        """RDMA WRITE with a 32-bit immediate; the peer gets ``imm`` from ``recv_imm()``
+        after the data is in place. Consumes one receive credit of the peer."""
+        if not 0 <= imm < 1 << 32:
+            raise ValueError("imm must be an unsigned 32-bit integer")
+        span = self._one_sided_span(local, remote, writable=False)
+        self._check_send()
+        wr = SendWR(0, WROpcode.RDMA_WRITE_WITH_IMM, [SGE(span.addr, span.length, span.lkey)],
+                    imm_data=imm, remote_addr=remote.addr, rkey=remote.rkey)
+        fut: asyncio.Future[None] = self._loop.create_future()
+        op = _Op(_IMM, fut, wr=wr, keep=span)
+        self._sendq.append(op)
+        self._kick()
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if not op.posted:
+                self._unqueue(self._sendq, op)
+            raise
+
+    async def recv_imm(self) -> int:
+        """The immediate of the next ``write_with_imm`` from the peer (in order).
+
+        Raises ConnectionClosed like ``recv``.
+        """
+        while not self._imm:
+            if self._failed or self._closing is not None:
+                raise self._closed_error()
+            if self._remote_closed:
+                raise ConnectionClosed("the peer closed the connection")
+            fut: asyncio.Future[None] = self._loop.create_future()
+            self._imm_waiters.append(fut)
+            try:
+                await fut
+            finally:
+                if fut in self._imm_waiters:
+                    self._imm_waiters.remove(fut)
+        return self._imm.popleft()
+
+    async def fetch_add(self, remote: RemoteBuffer, value: int) -> int:
+        """Atomically add ``value`` (mod 2**64) to the 8-byte word at ``remote``;
+        returns the old value. ``remote.addr`` must be 8-byte aligned (ValueError)."""
+        self._check_atomic(remote)
+        wr = SendWR(0, WROpcode.ATOMIC_FETCH_AND_ADD, [], remote_addr=remote.addr,
+                    rkey=remote.rkey, compare_add=value & _MASK64)
+        result: int = await self._one_sided(_Op(_ATOMIC, None, wr=wr))
+        return result
+
+    async def compare_swap(self, remote: RemoteBuffer, expected: int, new: int) -> int:
+        """Atomically replace the 8-byte word at ``remote`` with ``new`` if it equals
+        ``expected``; returns the old value (the swap happened iff it == expected)."""
+        self._check_atomic(remote)
+        wr = SendWR(0, WROpcode.ATOMIC_CMP_AND_SWP, [], remote_addr=remote.addr,
+                    rkey=remote.rkey, compare_add=expected & _MASK64, swap=new & _MASK64)
+        result: int = await self._one_sided(_Op(_ATOMIC, None, wr=wr))
+        return result
+
+    def _check_atomic(self, remote: RemoteBuffer) -> None:
+        if not isinstance(remote, RemoteBuffer):
+            raise TypeError("remote must be a RemoteBuffer")
+        if remote.addr % 8:
+            raise ValueError(f"atomic target {remote.addr:#x} is not 8-byte aligned")
+        if remote.length < 8:
+            raise ValueError("atomic target must span at least 8 bytes")
+        self._check_open()
+
+    def _one_sided_span(self, local: Any, remote: RemoteBuffer, *, writable: bool) -> LocalSpan:
+        if not isinstance(remote, RemoteBuffer):
+            raise TypeError("remote must be a RemoteBuffer (from MemoryRegion.remote())")
+        self._check_open()
+        span = self._regions.resolve(local, writable=writable)
+        if span.length > remote.length:
+            raise ValueError(f"local buffer of {span.length} bytes is larger than the remote "
+                             f"range of {remote.length}")
+        return span
+
+    async def _one_sided(self, op: _Op) -> Any:
+        fut: asyncio.Future[Any] = self._loop.create_future()
+        op.fut = fut
+        self._oneq.append(op)
+        self._kick()
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            if not op.posted:
+                self._unqueue(self._oneq, op)
+            raise
+
+    # ---------------------------------------------------------------- posting
+    def _kick(self) -> None:
+        """Post now if this is the first request of this loop iteration; otherwise post
+        once at the end of the iteration, as one chain (batching)."""
+        if self._pump_scheduled:
+            return
+        if self._in_tick:
+            self._pump_scheduled = True
+            self._loop.call_soon(self._pump_soon)
+        else:
+            self._in_tick = True
+            self._loop.call_soon(self._end_tick)
+            self._pump()
+
+    def _end_tick(self) -> None:
+        self._in_tick = False
+
+    def _pump_soon(self) -> None:
+        self._pump_scheduled = False
+        self._pump()
+
+    def _pump(self) -> None:
+        """Post as much queued work as send-queue room, buffers and credits allow."""
+        if self._failed:
+            return
+        credits = self._credits
+        if credits is None:
+            return
+        batch: list[_Op] = []
+        room = self._sq.room
+        spool = self._spool
+        while self._ctrlq and room > len(batch) and credits.can_send_control() and spool.available:
+            op = self._ctrlq.popleft()
+            credits.consume(control=True)
+            self._build_ctrl(op)
+            batch.append(op)
+        while self._oneq and room > len(batch):
+            op = self._oneq[0]
+            if op.kind == _ATOMIC:
+                if not spool.available:
+                    break
+                op.slot = spool.acquire()
+                assert op.slot is not None and op.wr is not None
+                op.wr.sg_list = [SGE(spool.addr(op.slot), 8, spool.lkey)]
+            self._oneq.popleft()
+            batch.append(op)
+        while self._sendq and room > len(batch) and credits.can_send_data():
+            op = self._sendq[0]
+            if op.kind != _IMM and not spool.available:
+                break
+            self._sendq.popleft()
+            credits.consume()
+            if op.kind == _DATA:
+                self._build_data(op)
+            elif op.kind == _RNDV:
+                self._build_rndv(op)
+            batch.append(op)
+        if (credits.should_send_credit() and room > len(batch) and spool.available
+                and not self._close_sent):
+            op = _Op(_CTRL, None, payload=(FrameType.CREDIT, 0))
+            credits.consume(control=True)
+            self._build_ctrl(op)
+            batch.append(op)
+        if batch:
+            self._post_batch(batch)
+
+    def _frame_wr(self, op: _Op, nbytes: int) -> SendWR:
+        spool = self._spool
+        assert op.slot is not None
+        flags = 0
+        if nbytes <= self._inline:
+            flags = SendFlags.INLINE
+        return SendWR(0, WROpcode.SEND, [SGE(spool.addr(op.slot), nbytes, spool.lkey)], flags)
+
+    def _build_data(self, op: _Op) -> None:
+        assert self._credits is not None
+        op.slot = self._spool.acquire()
+        assert op.slot is not None
+        mv: memoryview = op.payload
+        n = mv.nbytes
+        buf = self._spool.slot(op.slot, HEADER_SIZE + n)
+        write_data_header(buf, self._credits.take_piggyback(), n)
+        buf[HEADER_SIZE:] = mv
+        op.payload = None  # copied: the caller's buffer is free
+        op.wr = self._frame_wr(op, HEADER_SIZE + n)
+
+    def _build_rndv(self, op: _Op) -> None:
+        assert self._credits is not None
+        op.slot = self._spool.acquire()
+        assert op.slot is not None
+        src = op.payload
+        if isinstance(src, Staging):
+            addr, rkey, length = src.mr.addr, src.mr.rkey, src.length
+        else:
+            region = src.keep[1]
+            addr, rkey, length = src.addr, region.rkey, src.length
+        buf = self._spool.slot(op.slot)
+        n = write_rndv(buf, self._credits.take_piggyback(), op.msg_id, length, addr, rkey)
+        self._rndv_out[op.msg_id] = op
+        op.wr = self._frame_wr(op, n)
+
+    def _build_ctrl(self, op: _Op) -> None:
+        assert self._credits is not None
+        op.slot = self._spool.acquire()
+        assert op.slot is not None
+        ftype, arg = op.payload
+        buf = self._spool.slot(op.slot)
+        credits = self._credits.take_piggyback()
+        if ftype == FrameType.RNDV_DONE:
+            n = write_rndv_done(buf, credits, arg, True)
+        elif ftype == FrameType.CLOSE:
+            n = write_close(buf, credits)
+        else:
+            n = write_credit(buf, credits)
+        op.wr = self._frame_wr(op, n)
+
+    def _post_batch(self, batch: list[_Op]) -> None:
+        reactor = self._reactor
+        wrs: list[SendWR] = []
+        last = len(batch) - 1
+        for i, op in enumerate(batch):
+            wr = op.wr
+            assert wr is not None
+            wr.wr_id = reactor.register(self._on_send_wc, None)
+            if self._sq.push(wr.wr_id, op, last_in_batch=i == last):
+                wr.send_flags |= SendFlags.SIGNALED
+            else:
+                wr.send_flags &= ~SendFlags.SIGNALED
+            op.posted = True
+            wrs.append(wr)
+        try:
+            self._qp.post_send(wrs)
+        except RDMAError as exc:
+            for wr in wrs:
+                reactor.unregister(wr.wr_id)
+            for _wr_id, op in self._sq.drain():
+                self._finish(op, None, exc)
+            self._fail(exc)
+            return
+        for op in batch:
+            if op.wr is not None and op.wr.send_flags & SendFlags.INLINE and op.slot is not None:
+                self._spool.release(op.slot)  # inline: the device copied it at post time
+                op.slot = None
+        reactor.poke()
+
+    def _queue_ctrl(self, ftype: FrameType, arg: int) -> None:
+        if self._failed:
+            return
+        self._ctrlq.append(_Op(_CTRL, None, payload=(ftype, arg)))
+        self._kick()
+
+    @staticmethod
+    def _unqueue(q: collections.deque[_Op], op: _Op) -> None:
+        try:
+            q.remove(op)
+        except ValueError:
+            pass
+
+    # ---------------------------------------------------------------- completions
+    def _on_send_wc(self, wc: WC, _arg: Any) -> None:
+        entries = self._sq.complete(wc.wr_id)
+        if not entries:
+            return
+        last = len(entries) - 1
+        for i, (wr_id, op) in enumerate(entries):
+            if i < last:
+                self._reactor.unregister(wr_id)
+                self._finish(op, None, None)
+            else:
+                self._finish(op, wc, None)
+        if self._failed:
+            self._check_drained()
+        elif self._sendq or self._oneq or self._ctrlq:
+            self._pump()
+        if self._closing is not None and not self._ops_pending():
+            self._wake_closer()
+
+    def _finish(self, op: _Op, wc: WC | None, exc: BaseException | None) -> None:
+        """Complete ``op``: ``wc`` None means an unsignaled success; ``exc`` a local error."""
+        if op.slot is not None:
+            if op.kind == _ATOMIC and exc is None and (wc is None or wc.status == WCStatus.SUCCESS):
+                old = _U64.unpack_from(self._spool.view, op.slot * self._spool.slot_size)[0]
+            else:
+                old = 0
+            self._spool.release(op.slot)
+            op.slot = None
+        else:
+            old = 0
+        if exc is None and wc is not None and wc.status != WCStatus.SUCCESS:
+            exc = self._op_error(wc)
+        fut = op.fut
+        if op.kind == _RNDV:
+            src = op.payload
+            if exc is not None:
+                self._rndv_out.pop(op.msg_id, None)
+                self._release_source(src)
+                if fut is not None and not fut.done():
+                    fut.set_exception(exc)
+            return  # success: the user's future completes on RNDV_DONE
+        if fut is None or fut.done():
+            return
+        if exc is not None:
+            fut.set_exception(exc)
+        elif op.kind == _ATOMIC:
+            fut.set_result(old)
+        else:
+            fut.set_result(None)
+
+    @staticmethod
+    def _release_source(src: Any) -> None:
+        if isinstance(src, Staging):
+            src.release()
+
+    def _op_error(self, wc: WC) -> BaseException:
+        """The exception for an op whose completion failed; fails the endpoint."""
+        err = completion_error(wc.status, vendor_err=wc.vendor_err, wr_id=wc.wr_id,
+                               opcode=wc.opcode)
+        if wc.status == WCStatus.WR_FLUSH_ERR:
+            if not self._failed:
+                self._fail(err)
+            return self._closed_error()
+        first = self._first_error is None
+        self._fail(err)
+        if wc.status in _PEER_GONE or not first:
+            return self._closed_error()
+        return err
+
+    def _on_recv_wc(self, wc: WC, slot: int) -> None:
+        self._posted_recvs -= 1
+        if wc.status != WCStatus.SUCCESS:
+            self._rpool.release(slot)
+            if wc.status != WCStatus.WR_FLUSH_ERR or not self._failed:
+                self._fail(completion_error(wc.status, vendor_err=wc.vendor_err, wr_id=wc.wr_id,
+                                            opcode=wc.opcode))
+            self._check_drained()
+            return
+        if self._failed:
+            self._rpool.release(slot)
+            self._check_drained()
+            return
+        if wc.opcode == WCOpcode.RECV_RDMA_WITH_IMM:
+            self._imm.append(wc.imm_data)
+            self._wake(self._imm_waiters)
+            self._repost(slot)
+            return
+        pool = self._rpool
+        base = slot * pool.slot_size
+        credits = self._credits
+        assert credits is not None
+        try:
+            frame = parse_frame(pool.view[base: base + pool.slot_size], wc.byte_len,
+                                self.max_message_size)
+            if frame.credits:
+                credits.on_credits(frame.credits)
+        except RemoteProtocolError as exc:
+            self._rpool.release(slot)
+            self._fail(exc)
+            return
+        ftype = frame.type
+        if ftype == FrameType.DATA:
+            self._rx.append(_Rx(_RX_DATA, slot=slot, offset=base + frame.payload_offset,
+                                length=frame.payload_len))
+            self._wake(self._rx_waiters)
+        elif ftype == FrameType.RNDV:
+            rx = _Rx(_RX_RNDV, length=frame.rndv_length, addr=frame.rndv_addr,
+                     rkey=frame.rndv_rkey, msg_id=frame.aux)
+            self._rx.append(rx)
+            self._repost(slot)
+            if self._rx_waiters:
+                self._wake(self._rx_waiters)  # the waiting receiver picks the destination
+            elif self._prefetched + rx.length <= self._opts.rndv_prefetch:
+                self._start_rndv_read(rx, None)  # buffer it now, like a TCP receive buffer
+        elif ftype == FrameType.RNDV_DONE:
+            self._repost(slot)
+            op = self._rndv_out.pop(frame.aux, None)
+            if op is None:
+                self._fail(RemoteProtocolError(f"RNDV_DONE for unknown message {frame.aux}"))
+                return
+            self._release_source(op.payload)
+            if op.fut is not None and not op.fut.done():
+                op.fut.set_result(None)
+            if self._closing is not None and not self._ops_pending():
+                self._wake_closer()
+        elif ftype == FrameType.CLOSE:
+            self._remote_closed = True
+            self._rx.append(_Rx(_RX_EOF))
+            self._repost(slot)
+            self._wake(self._rx_waiters)
+            self._wake(self._imm_waiters)
+        else:  # CREDIT
+            self._repost(slot)
+        if self._sendq or self._ctrlq:
+            self._pump()
+
+    def _post_recv_slot(self, slot: int) -> None:
+        pool = self._rpool
+        wr_id = self._reactor.register(self._on_recv_wc, slot)
+        try:
+            self._qp.post_recv([RecvWR(wr_id, [SGE(pool.addr(slot), pool.slot_size, pool.lkey)])])
+        except RDMAError:
+            self._reactor.unregister(wr_id)
+            pool.release(slot)
+            raise
+        self._posted_recvs += 1
+
+    def _repost(self, slot: int) -> None:
+        """Give a consumed receive buffer back to the peer (one more credit owed)."""
+        if self._failed or self._done.done():
+            self._rpool.release(slot)
+            return
+        try:
+            self._post_recv_slot(slot)
+        except RDMAError as exc:
+            self._fail(exc)
+            return
+        credits = self._credits
+        if credits is not None:
+            credits.on_reposted(1)
+            if credits.should_send_credit():
+                self._kick()
+
+    @staticmethod
+    def _wake(waiters: list[asyncio.Future[None]]) -> None:
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(None)
+        waiters.clear()
+
+    # ---------------------------------------------------------------- state, failure
+    def _check_open(self) -> None:
+        if self._failed or self._closing is not None:
+            raise self._closed_error()
+
+    def _check_send(self) -> None:
+        self._check_open()
+        if self._credits is None:
+            raise ConnectionClosed("endpoint is not connected")
+
+    def _closed_error(self) -> ConnectionClosed:
+        if self._first_error is not None:
+            if isinstance(self._first_error, ConnectionClosed):
+                exc = ConnectionClosed(self._first_error.strerror or "connection closed")
+                exc.__cause__ = self._first_error.__cause__
+                return exc
+            first = self._first_error
+            why = first.strerror if isinstance(first, OSError) and first.strerror else first
+            exc = ConnectionClosed(f"connection failed: {why}")
+            exc.__cause__ = self._first_error
+            return exc
+        return ConnectionClosed("endpoint is closed")
+
+    def _ops_pending(self) -> bool:
+        return bool(self._sq.used or self._sendq or self._oneq or self._ctrlq or self._rndv_out)
+
+    def _fail(self, exc: BaseException) -> None:
+        """The single failure path: record the first error, QP to ERR, fail every waiter.
+
+        Posted WRs complete later with WR_FLUSH_ERR; their buffers stay pinned until then.
+        """
+        if self._failed:
+            return
+        self._failed = True
+        if self._first_error is None:
+            self._first_error = exc
+        if isinstance(exc, CompletionError | RemoteProtocolError) and not isinstance(
+                exc, RetryExceededError | RNRRetryExceededError | FlushedError):
+            log.warning("aiordma: %r failed: %s", self, exc)
+        try:
+            self._qp.modify(QPAttr(QPState.ERR))
+        except RDMAError:
+            pass
+        err = self._closed_error()
+        for q in (self._ctrlq, self._oneq, self._sendq):
+            while q:
+                op = q.popleft()
+                if op.kind == _RNDV:
+                    self._release_source(op.payload)
+                if op.fut is not None and not op.fut.done():
+                    op.fut.set_exception(err)
+        for _wr_id, op in list(self._sq._q):
+            if op.fut is not None and not op.fut.done():
+                op.fut.set_exception(self._closed_error())
+        for op in self._rndv_out.values():
+            if op.fut is not None and not op.fut.done():
+                op.fut.set_exception(self._closed_error())
+        for rx in self._rx:
+            if rx.read_fut is not None and not rx.read_fut.done():
+                rx.read_fut.set_exception(self._closed_error())
+        self._wake(self._rx_waiters)
+        self._wake(self._imm_waiters)
+        self._wake_closer()
+        if self._control is not None:
+            self._control.close()
+        self._start_teardown()
+        self._check_drained()
+
+    def _check_drained(self) -> None:
+        if self._failed and not self._sq.used and not self._posted_recvs and not self._drained.done():
+            self._drained.set_result(None)
+
+    def _wake_closer(self) -> None:
+        if self._closing is not None and not self._closing.done():
+            self._closing.set_result(None)
+
+    def _start_teardown(self) -> None:
+        if self._teardown_task is None:
+            self._teardown_task = self._loop.create_task(self._teardown())
+
+    async def _teardown(self) -> None:
+        """Destroy in the order that cannot hang: QP to ERR, wait for every flush, then
+        destroy QP, MRs, CQ reservation, PD; release the device."""
+        try:
+            if not self._failed:
+                self._fail(ConnectionClosed("endpoint is closed"))
+            try:
+                await asyncio.wait_for(asyncio.shield(self._drained), self._opts.close_timeout)
+            except TimeoutError:
+                log.warning("aiordma: %r: flush did not complete in %.1fs; destroying anyway",
+                            self, self._opts.close_timeout)
+            if self._watch_task is not None and not self._watch_task.done():
+                self._watch_task.cancel()
+            for _wr_id, op in self._sq.drain():
+                self._reactor.unregister(_wr_id)
+                if op.kind == _RNDV:
+                    self._release_source(op.payload)
+            for op in self._rndv_out.values():
+                self._release_source(op.payload)
+            self._rndv_out.clear()
+            for rx in self._rx:
+                if rx.staging is not None:
+                    rx.staging.release()
+            self._rx.clear()
+            self._destroy_resources()
+        finally:
+            if not self._done.done():
+                self._done.set_result(None)
+
+    def _destroy_resources(self) -> None:
+        for region in self._regions.regions() if hasattr(self, "_regions") else []:
+            region.close()
+        for name in ("_qp", "_staging_out", "_staging_in", "_spool", "_rpool"):
+            obj = self.__dict__.pop(name, None)
+            if obj is not None:
+                try:
+                    obj.close()
+                except RDMAError as exc:
+                    log.warning("aiordma: closing %s failed: %s", name, exc)
+        if "_cq" in self.__dict__:
+            self._reactor.release_cq(self._cq, self._cq_entries)
+        pd = self.__dict__.pop("_pd", None)
+        if pd is not None:
+            try:
+                pd.close()
+            except RDMAError as exc:
+                log.warning("aiordma: dealloc PD failed: %s", exc)
+        self._device.release()
+
+    # ---------------------------------------------------------------- close / abort
+    async def close(self) -> None:
+        """Graceful close: queued and posted sends complete, then the peer gets EOF
+        (its ``recv`` raises ConnectionClosed after everything sent before), then the
+        resources are destroyed. Idempotent; waits at most ``close_timeout`` for the
+        pending sends, then aborts."""
+        if self._closing is None and not self._failed:
+            self._closing = self._loop.create_future()
+            if not self._ops_pending():
+                self._closing.set_result(None)
+            try:
+                await asyncio.wait_for(asyncio.shield(self._closing), self._opts.close_timeout)
+                if not self._failed and self._credits is not None:
+                    await self._send_close_frame()
+            except (TimeoutError, RDMAError):
+                pass
+            self._wake(self._rx_waiters)
+            self._wake(self._imm_waiters)
+            if not self._failed:
+                self._fail(ConnectionClosed("endpoint is closed"))
+        self._start_teardown()
+        await asyncio.shield(self._done)
+
+    async def _send_close_frame(self) -> None:
+        self._close_sent = True
+        fut: asyncio.Future[None] = self._loop.create_future()
+        self._ctrlq.append(_Op(_CTRL, fut, payload=(FrameType.CLOSE, 0)))
+        self._kick()
+        await asyncio.wait_for(asyncio.shield(fut), self._opts.close_timeout)
+
+    def abort(self) -> None:
+        """Immediate close: every pending operation fails with ConnectionClosed now;
+        the peer sees the connection drop. Idempotent."""
+        if self._closing is None:
+            self._closing = self._loop.create_future()
+            self._closing.set_result(None)
+        self._fail(ConnectionClosed("endpoint was aborted"))
+
+    async def wait_closed(self) -> None:
+        """Wait until every resource of the endpoint is destroyed."""
+        await asyncio.shield(self._done)
+
+    async def __aenter__(self) -> Endpoint:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

@@ -1,0 +1,71 @@
+"""Endpoint options: defaults, validation, and the environment overrides."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+KiB = 1024
+MiB = 1024 * KiB
+
+
+@dataclasses.dataclass
+class EndpointOptions:
+    """Keyword options of ``connect``/``listen``/``create_connection``/... .
+
+    * ``provider``/``device``: which device (name, or an ``aiordma.Device``).
+    * ``recv_depth``: receive buffers posted for the peer (its initial credits).
+    * ``send_depth``: send-queue depth and eager send buffers.
+    * ``eager_size``: receive buffer size; larger messages go by rendezvous (RDMA READ).
+    * ``max_message_size``: largest message ``send``/``recv`` accept (default 256 MiB).
+    * ``signal_interval``: at most this many unsignaled sends in a row.
+    * ``inline_threshold``: frames up to this size are posted inline (device limit too).
+    * ``handshake_timeout``: seconds for each step of connection setup.
+    * ``poll_mode``/``spin_us``: completion polling policy (see cq_reactor).
+    * ``close_timeout``: seconds ``close()`` waits for pending sends and flushes.
+    * ``rndv_prefetch``: bytes of large messages read ahead into staging while no
+      receiver waits (like a TCP receive buffer); beyond it the sender waits for
+      ``recv``.
+    """
+
+    provider: str | None = None
+    device: Any = None
+    recv_depth: int = 64
+    send_depth: int = 128
+    eager_size: int = 16 * KiB
+    max_message_size: int = 256 * MiB
+    signal_interval: int = 16
+    inline_threshold: int = 128
+    handshake_timeout: float = 10.0
+    poll_mode: str | None = None
+    spin_us: int | None = None
+    close_timeout: float = 10.0
+    rndv_prefetch: int = 64 * MiB
+
+    @classmethod
+    def from_kwargs(cls, opts: dict[str, Any]) -> EndpointOptions:
+        """Build from keyword options. Raises TypeError for unknown names, ValueError
+        for out-of-range values."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(opts) - names
+        if unknown:
+            raise TypeError(f"unknown option(s): {', '.join(sorted(unknown))}")
+        o = cls(**opts)
+        o.validate()
+        return o
+
+    def validate(self) -> None:
+        if not 4 <= self.recv_depth <= 16384:
+            raise ValueError("recv_depth must be in [4, 16384]")
+        if not 4 <= self.send_depth <= 16384:
+            raise ValueError("send_depth must be in [4, 16384]")
+        if not 64 <= self.eager_size <= 16 * MiB:
+            raise ValueError("eager_size must be in [64, 16 MiB]")
+        if not self.eager_size <= self.max_message_size <= 1 << 40:
+            raise ValueError("max_message_size must be in [eager_size, 2**40]")
+        if self.signal_interval < 1:
+            raise ValueError("signal_interval must be >= 1")
+        if self.rndv_prefetch < 0:
+            raise ValueError("rndv_prefetch must be >= 0")
+        if self.handshake_timeout <= 0 or self.close_timeout <= 0:
+            raise ValueError("timeouts must be positive")

@@ -1,0 +1,577 @@
+"""The Endpoint API end to end, on the provider under test and on both loops.
+
+Each test runs a listener and a client in one process (the device progresses on its
+own); the multi-process cases live in test_multiprocess.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import random
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+
+import aiordma
+
+HOST = os.environ.get("AIORDMA_TEST_IP", "127.0.0.1")
+T = 20.0  # bound for every await in these tests
+
+
+@pytest.fixture
+def opts(provider_name: str) -> dict:
+    return {"provider": provider_name}
+
+
+@contextlib.asynccontextmanager
+async def pair(opts: dict, handler: Callable[[aiordma.Endpoint], Awaitable[None]] | None = None,
+               **extra: object) -> AsyncIterator[tuple[aiordma.Endpoint, asyncio.Queue]]:
+    """(client endpoint, queue that receives the server endpoint). The server's
+    handler waits until the test is done unless ``handler`` is given."""
+    q: asyncio.Queue[aiordma.Endpoint] = asyncio.Queue()
+    done = asyncio.Event()
+
+    async def default(ep: aiordma.Endpoint) -> None:
+        await q.put(ep)
+        await done.wait()
+
+    listener = await aiordma.listen(handler or default, HOST, 0, **opts, **extra)
+    try:
+        ep = await aiordma.connect(HOST, listener.port, timeout=T, **opts, **extra)
+        try:
+            yield ep, q
+        finally:
+            done.set()
+            ep.abort()
+            await asyncio.wait_for(ep.wait_closed(), T)
+    finally:
+        listener.close()
+        await asyncio.wait_for(listener.wait_closed(), T)
+
+
+async def server_ep(q: asyncio.Queue) -> aiordma.Endpoint:
+    return await asyncio.wait_for(q.get(), T)
+
+
+def payload(n: int, seed: int = 0) -> bytes:
+    return random.Random(seed * 1000003 + n).randbytes(n)
+
+
+async def test_send_recv_sizes(opts: dict) -> None:
+    sizes = [0, 1, 100, 16 * 1024 - 9, 16 * 1024 - 8, 16 * 1024, 1 << 20, 16 << 20]
+    async with pair(opts) as (ep, q):
+        srv = await server_ep(q)
+        for i, n in enumerate(sizes):
+            data = payload(n, i)
+            await asyncio.wait_for(ep.send(data), T)
+            got = await asyncio.wait_for(srv.recv(), T)
+            assert got == data, n
+            await asyncio.wait_for(srv.send(got), T)
+            assert await asyncio.wait_for(ep.recv(), T) == data
+
+
+async def test_send_accepts_any_bytes_like(opts: dict) -> None:
+    import array
+
+    async with pair(opts) as (ep, q):
+        srv = await server_ep(q)
+        for obj in (bytearray(b"ab"), memoryview(b"cd"), array.array("I", [1, 2])):
+            await asyncio.wait_for(ep.send(obj), T)
+            assert await asyncio.wait_for(srv.recv(), T) == bytes(memoryview(obj).cast("B"))
+        with pytest.raises(TypeError):
+            await ep.send("text")  # type: ignore[arg-type]
+
+
+async def test_concurrent_sends_keep_order_and_credits_hold(opts: dict) -> None:
+    n = 600  # many times the receive depth: credits must hold the sender back
+    async with pair(opts, recv_depth=8) as (ep, q):
+        srv = await server_ep(q)
+        sends = asyncio.gather(*(ep.send(i.to_bytes(4, "little")) for i in range(n)))
+        await asyncio.sleep(0.05)  # let the sender run out of credits
+        got = [int.from_bytes(await asyncio.wait_for(srv.recv(), T), "little") for _ in range(n)]
+        await asyncio.wait_for(sends, T)
+        assert got == list(range(n))
+        st = srv.statistics()
+        assert st["messages_received"] == n
+
+
+async def test_bidirectional_streams_do_not_deadlock(opts: dict) -> None:
+    n = 300
+    async with pair(opts, recv_depth=4, send_depth=8) as (ep, q):
+        srv = await server_ep(q)
+
+        async def pump(a: aiordma.Endpoint, b: aiordma.Endpoint) -> None:
+            async def tx() -> None:
+                for i in range(n):
+                    await a.send(payload(i % 50, i))
+
+            async def rx() -> None:
+                for i in range(n):
+                    assert await b.recv() == payload(i % 50, i)
+
+            await asyncio.gather(tx(), rx())
+
+        await asyncio.wait_for(asyncio.gather(pump(ep, srv), pump(srv, ep)), T)
+
+
+async def test_recv_into(opts: dict) -> None:
+    async with pair(opts) as (ep, q):
+        srv = await server_ep(q)
+        await ep.send(b"hello")
+        small = bytearray(3)
+        with pytest.raises(aiordma.MessageTooLarge) as ei:
+            await asyncio.wait_for(srv.recv_into(small), T)
+        assert ei.value.size == 5
+        buf = bytearray(10)
+        assert await asyncio.wait_for(srv.recv_into(buf), T) == 5  # the message was kept
+        assert bytes(buf[:5]) == b"hello"
+        with pytest.raises(TypeError):
+            await srv.recv_into(b"readonly")
+
+
+async def test_recv_into_registered_buffer_is_zero_copy(opts: dict) -> None:
+    big = payload(4 << 20, 7)
+    async with pair(opts) as (ep, q):
+        srv = await server_ep(q)
+        target = bytearray(len(big) + 100)
+        srv.register(target)
+        before = srv.statistics()["staging_registrations"]
+        await asyncio.wait_for(asyncio.gather(ep.send(big), srv.recv_into(target)), T)
+        assert bytes(target[: len(big)]) == big
+        assert srv.statistics()["staging_registrations"] == before  # no staging used
+        # a large message too big for the buffer is kept
+        small = bytearray(1 << 20)
+        send = asyncio.ensure_future(ep.send(big))
+        with pytest.raises(aiordma.MessageTooLarge):
+            await asyncio.wait_for(srv.recv_into(small), T)
+        assert await asyncio.wait_for(srv.recv(), T) == big
+        await asyncio.wait_for(send, T)
+
+
+async def test_max_message_size(opts: dict) -> None:
+    async with pair(opts, max_message_size=1 << 20) as (ep, q):
+        await server_ep(q)
+        assert ep.max_message_size == 1 << 20
+        with pytest.raises(aiordma.MessageTooLarge):
+            await ep.send(bytes((1 << 20) + 1))
+
+
+async def test_one_sided_write_read_while_target_idles(opts: dict) -> None:
+    async with pair(opts) as (ep, q):
+        srv = await server_ep(q)
+        region_buf = bytearray(1 << 20)
+        region = srv.register(region_buf, remote_read=True, remote_write=True)
+        await srv.send(region.remote().pack())
+        desc = aiordma.RemoteBuffer.unpack(await asyncio.wait_for(ep.recv(), T))
+        assert desc == region.remote()
+        local = bytearray(payload(1 << 20, 3))
+        mr = ep.register(local)
+        await asyncio.wait_for(ep.write(mr, desc), T)
+        assert region_buf == local
+        region_buf[:5] = b"XXXXX"
+        back = bytearray(1 << 20)
+        ep.register(back)
+        await asyncio.wait_for(ep.read(back, desc), T)
+        assert back[:5] == b"XXXXX" and back[5:] == local[5:]
+        # slices of registered buffers work; the remote sub-range too
+        await asyncio.wait_for(ep.write(memoryview(local)[100:200], desc.slice(1000, 100)), T)
+        assert region_buf[1000:1100] == local[100:200]
+
+
+async def test_write_with_imm(opts: dict) -> None:
+    async with pair(opts) as (ep, q):
+        srv = await server_ep(q)
+        region_buf = bytearray(64)
+        region = srv.register(region_buf, remote_write=True)
+        local = bytearray(b"x" * 64)
+        ep.register(local)
+        for imm in (0, 1, 0xFFFFFFFF):
+            await asyncio.wait_for(ep.write_with_imm(local, region.remote(), imm), T)
+            assert await asyncio.wait_for(srv.recv_imm(), T) == imm
+        assert region_buf == local
+        with pytest.raises(ValueError):
+            await ep.write_with_imm(local, region.remote(), 1 << 32)
+
+
+async def test_atomics(opts: dict) -> None:
+    async with pair(opts) as (ep, q):
+        srv = await server_ep(q)
+        word = bytearray(16)
+        region = srv.register(word, remote_atomic=True, remote_read=True)
+        d = region.remote(0, 8)
+        assert await asyncio.wait_for(ep.fetch_add(d, 5), T) == 0
+        assert await asyncio.wait_for(ep.fetch_add(d, -1), T) == 5
+        assert int.from_bytes(word[:8], "little") == 4
+        assert await asyncio.wait_for(ep.compare_swap(d, 3, 99), T) == 4  # no swap
+        assert await asyncio.wait_for(ep.compare_swap(d, 4, 99), T) == 4  # swapped
+        assert int.from_bytes(word[:8], "little") == 99
+        results = await asyncio.wait_for(asyncio.gather(*(ep.fetch_add(d, 1) for _ in range(200))), T)
+        assert sorted(results) == list(range(99, 299))
+        with pytest.raises(ValueError):
+            await ep.fetch_add(region.remote(4, 8), 1)  # misaligned
+        with pytest.raises(ValueError):
+            await ep.fetch_add(region.remote(8, 4), 1)  # too short
+
+
+async def test_atomics_from_two_connections_are_atomic(opts: dict) -> None:
+    word = bytearray(8)
+    got: asyncio.Queue[aiordma.Endpoint] = asyncio.Queue()
+    done = asyncio.Event()
+
+    async def handler(ep: aiordma.Endpoint) -> None:
+        region = ep.register(word, remote_atomic=True)
+        await ep.send(region.remote().pack())
+        await got.put(ep)
+        await done.wait()
+
+    listener = await aiordma.listen(handler, HOST, 0, **opts)
+    eps = [await aiordma.connect(HOST, listener.port, **opts) for _ in range(2)]
+    try:
+        descs = [aiordma.RemoteBuffer.unpack(await asyncio.wait_for(e.recv(), T)) for e in eps]
+
+        async def adder(e: aiordma.Endpoint, d: aiordma.RemoteBuffer) -> None:
+            for _ in range(5):
+                await asyncio.gather(*(e.fetch_add(d, 1) for _ in range(50)))
+
+        await asyncio.wait_for(asyncio.gather(*(adder(e, d) for e, d in zip(eps, descs, strict=True))), T)
+        assert int.from_bytes(word, "little") == 500
+    finally:
+        done.set()
+        for e in eps:
+            await e.close()
+        listener.close()
+        await listener.wait_closed()
+
+
+async def test_bad_arguments_refused_before_posting(opts: dict) -> None:
+    async with pair(opts) as (ep, q):
+        srv = await server_ep(q)
+        region = srv.register(bytearray(64), remote_write=True)
+        d = region.remote()
+        with pytest.raises(ValueError, match="not registered"):
+            await ep.write(bytearray(8), d)
+        local = bytearray(128)
+        ep.register(local)
+        with pytest.raises(ValueError, match="larger than the remote"):
+            await ep.write(local, d)
+        with pytest.raises(TypeError):
+            await ep.write(local, (1, 2, 3))  # type: ignore[arg-type]
+        with pytest.raises(ValueError):
+            region.remote(60, 8)
+        with pytest.raises(TypeError):
+            ep.register(b"read-only")
+        with pytest.raises(ValueError):
+            aiordma.RemoteBuffer.unpack(b"short")
+        # nothing was posted: the connection still works
+        await ep.send(b"still fine")
+        assert await asyncio.wait_for(srv.recv(), T) == b"still fine"
+
+
+@pytest.mark.parametrize("case", ["bad_rkey", "no_right", "out_of_range", "revoked"])
+async def test_remote_access_errors(opts: dict, case: str) -> None:
+    async with pair(opts) as (ep, q):
+        srv = await server_ep(q)
+        region = srv.register(bytearray(4096), remote_read=True,
+                              remote_write=case != "no_right")
+        d = region.remote()
+        if case == "bad_rkey":
+            d = aiordma.RemoteBuffer(d.addr, d.rkey ^ 0x5A5A00, d.length)
+        elif case == "out_of_range":
+            d = aiordma.RemoteBuffer(d.addr + 4000, d.rkey, 4096)  # forged past the end
+        elif case == "revoked":
+            region.close()
+        local = bytearray(4096)
+        ep.register(local)
+        pending = asyncio.ensure_future(ep.recv())
+        with pytest.raises(aiordma.RemoteAccessError) as ei:
+            await asyncio.wait_for(ep.write(local, d), T)
+        assert str(ei.value.status) == "IBV_WC_REM_ACCESS_ERR"
+        # the connection is dead now: pending and later operations fail with ConnectionClosed
+        with pytest.raises(aiordma.ConnectionClosed) as ci:
+            await asyncio.wait_for(pending, T)
+        assert isinstance(ci.value.__cause__, aiordma.RemoteAccessError)
+        assert ep.closed
+        with pytest.raises(aiordma.ConnectionClosed):
+            await ep.send(b"x")
+
+
+async def test_one_broken_connection_does_not_harm_another(opts: dict) -> None:
+    async with pair(opts) as (ep1, q):
+        srv1 = await server_ep(q)
+        ep2 = await aiordma.connect(HOST, (ep1.peer_address or ("", 0))[1], **opts)
+        try:
+            srv2 = await server_ep(q)
+            region = srv1.register(bytearray(64), remote_write=True)
+            good = region.remote()
+            local = bytearray(64)
+            ep1.register(local)
+            bad = aiordma.RemoteBuffer(region.addr, region.rkey ^ 0x100, 64)
+            with pytest.raises(aiordma.RemoteAccessError):
+                await asyncio.wait_for(ep1.write(local, bad), T)
+            # a key handed to connection 1 is useless on connection 2 (one PD each)
+            local2 = bytearray(64)
+            ep2.register(local2)
+            with pytest.raises(aiordma.RemoteAccessError):
+                await asyncio.wait_for(ep2.write(local2, good), T)
+            ep3 = await aiordma.connect(HOST, (ep1.peer_address or ("", 0))[1], **opts)
+            srv3 = await server_ep(q)
+            await ep3.send(b"alive")
+            assert await asyncio.wait_for(srv3.recv(), T) == b"alive"
+            await ep3.close()
+            del srv2
+        finally:
+            ep2.abort()
+
+
+async def test_cancelled_recv_does_not_lose_the_next_message(opts: dict) -> None:
+    async with pair(opts) as (ep, q):
+        srv = await server_ep(q)
+        for size in (10, 2 << 20):  # eager and rendezvous
+            r = asyncio.ensure_future(srv.recv())
+            await asyncio.sleep(0.01)
+            r.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await r
+            data = payload(size, 1)
+            await asyncio.wait_for(ep.send(data), T)
+            assert await asyncio.wait_for(srv.recv(), T) == data
+
+
+async def test_recv_cancelled_during_rendezvous_read(opts: dict) -> None:
+    big = payload(8 << 20, 2)
+    async with pair(opts) as (ep, q):
+        srv = await server_ep(q)
+        send = asyncio.ensure_future(ep.send(big))
+        for _ in range(200):  # until the rendezvous descriptor has arrived
+            if srv.statistics()["rx_queued"]:
+                break
+            await asyncio.sleep(0.005)
+        r = asyncio.ensure_future(srv.recv())
+        await asyncio.sleep(0)  # the READ is posted
+        r.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await r
+        got = await asyncio.wait_for(srv.recv(), T) if not r.done() or r.cancelled() else r.result()
+        assert got == big
+        await asyncio.wait_for(send, T)
+        await ep.send(b"next")
+        assert await asyncio.wait_for(srv.recv(), T) == b"next"
+
+
+async def test_cancelled_send_is_all_or_nothing(opts: dict) -> None:
+    async with pair(opts, recv_depth=4) as (ep, q):
+        srv = await server_ep(q)
+        tasks = [asyncio.ensure_future(ep.send(payload(100 + 3000 * (i % 2), i))) for i in range(40)]
+        await asyncio.sleep(0)
+        for t in tasks[10::3]:  # most of these still wait for credits
+            t.cancel()
+
+        async def receive_until_end() -> list[bytes]:
+            out = []
+            while (m := await srv.recv()) != b"end":
+                out.append(m)
+            return out
+
+        receiver = asyncio.ensure_future(receive_until_end())
+        await asyncio.wait_for(asyncio.wait(tasks), T)
+        await ep.send(b"end")
+        received = await asyncio.wait_for(receiver, T)
+        allowed = [payload(100 + 3000 * (i % 2), i) for i in range(40)]
+        sent_ok = [m for m, t in zip(allowed, tasks, strict=True) if not t.cancelled()]
+        # every completed send arrived whole, in order; cancelled ones whole or not at all
+        assert all(m in allowed for m in received)
+        assert [m for m in received if m in sent_ok] == sent_ok
+        assert received == sorted(received, key=allowed.index)
+        assert len(received) < 40  # the cancellations did drop queued messages
+
+
+async def test_graceful_close_delivers_everything_then_eof(opts: dict) -> None:
+    async with pair(opts) as (ep, q):
+        srv = await server_ep(q)
+        sends = [ep.send(payload(n, n)) for n in (10, 3 << 20, 20)]
+        await asyncio.wait_for(asyncio.gather(*sends, ep.close()), T)
+        assert ep.closed
+        for n in (10, 3 << 20, 20):
+            assert await asyncio.wait_for(srv.recv(), T) == payload(n, n)
+        with pytest.raises(aiordma.ConnectionClosed):
+            await asyncio.wait_for(srv.recv(), T)
+        with pytest.raises(aiordma.ConnectionClosed):
+            await asyncio.wait_for(srv.recv(), T)
+        await ep.close()  # idempotent
+        with pytest.raises(aiordma.ConnectionClosed):
+            await ep.send(b"x")
+
+
+async def test_abort_fails_pending_now_and_peer_notices(opts: dict) -> None:
+    async with pair(opts) as (ep, q):
+        srv = await server_ep(q)
+        pending_local = asyncio.ensure_future(ep.recv())
+        pending_peer = asyncio.ensure_future(srv.recv())
+        await asyncio.sleep(0.01)
+        ep.abort()
+        ep.abort()  # idempotent
+        with pytest.raises(aiordma.ConnectionClosed):
+            await asyncio.wait_for(pending_local, T)
+        with pytest.raises(aiordma.ConnectionClosed):
+            await asyncio.wait_for(pending_peer, T)
+        await asyncio.wait_for(ep.wait_closed(), T)
+
+
+async def test_async_context_manager_closes(opts: dict) -> None:
+    async with pair(opts) as (ep, q):
+        srv = await server_ep(q)
+        async with ep:
+            await ep.send(b"a")
+        assert ep.closed
+        assert await asyncio.wait_for(srv.recv(), T) == b"a"
+        with pytest.raises(aiordma.ConnectionClosed):
+            await asyncio.wait_for(srv.recv(), T)
+
+
+async def _raw(port: int, data: bytes | None, wait: float = 0.0) -> None:
+    r, w = await asyncio.open_connection(HOST, port)
+    if data is not None:
+        w.write(data)
+        await w.drain()
+    if wait:
+        with contextlib.suppress(asyncio.TimeoutError, ConnectionError):
+            await asyncio.wait_for(r.read(), wait)
+    w.close()
+
+
+@pytest.mark.parametrize("garbage", [
+    b"GET / HTTP/1.1\r\n\r\n",
+    b"AIOR\x00\x09\x01\x00\x00\x00\x00\x00",  # wrong version
+    b"AIOR\x00\x01\x01\x00\xff\xff\xff\xff",  # oversize body length
+    b"AIOR\x00\x01",  # truncated, then EOF
+])
+async def test_handshake_garbage_listener_keeps_serving(opts: dict, garbage: bytes) -> None:
+    served = asyncio.Event()
+
+    async def handler(ep: aiordma.Endpoint) -> None:
+        served.set()
+        await ep.send(await ep.recv())
+
+    listener = await aiordma.listen(handler, HOST, 0, handshake_timeout=2.0, **opts)
+    try:
+        await _raw(listener.port, garbage, wait=3.0)
+        ep = await aiordma.connect(HOST, listener.port, timeout=T, **opts)
+        async with ep:
+            await ep.send(b"ping")
+            assert await asyncio.wait_for(ep.recv(), T) == b"ping"
+        assert listener.handshake_errors == 1
+    finally:
+        listener.close()
+        await listener.wait_closed()
+
+
+async def test_silent_client_times_out_server_side(opts: dict) -> None:
+    listener = await aiordma.listen(lambda ep: asyncio.sleep(0), HOST, 0, handshake_timeout=0.5,
+                                    **opts)
+    try:
+        r, w = await asyncio.open_connection(HOST, listener.port)
+        assert await asyncio.wait_for(r.read(), 5) is not None  # closed by the server
+        w.close()
+        assert listener.handshake_errors == 1
+    finally:
+        listener.close()
+        await listener.wait_closed()
+
+
+async def test_silent_server_gives_handshake_error(opts: dict) -> None:
+    srv = await asyncio.start_server(lambda r, w: None, HOST, 0)
+    port = srv.sockets[0].getsockname()[1]
+    try:
+        with pytest.raises(aiordma.HandshakeError, match="timed out"):
+            await aiordma.connect(HOST, port, handshake_timeout=0.5, **opts)
+    finally:
+        srv.close()
+        await srv.wait_closed()
+
+
+async def test_garbage_server_gives_handshake_error(opts: dict) -> None:
+    async def garbage(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        w.write(b"SSH-2.0-OpenSSH\r\n" * 4)
+
+    srv = await asyncio.start_server(garbage, HOST, 0)
+    port = srv.sockets[0].getsockname()[1]
+    try:
+        with pytest.raises(aiordma.HandshakeError, match="not an aiordma peer"):
+            await aiordma.connect(HOST, port, **opts)
+    finally:
+        srv.close()
+        await srv.wait_closed()
+
+
+async def test_connect_refused(opts: dict) -> None:
+    s = socket.socket()
+    s.bind((HOST, 0))
+    port = s.getsockname()[1]
+    s.close()
+    with pytest.raises(aiordma.ConnectionRefused) as ei:
+        await aiordma.connect(HOST, port, **opts)
+    assert isinstance(ei.value, ConnectionRefusedError)
+
+
+async def test_bad_options(opts: dict) -> None:
+    with pytest.raises(TypeError, match="unknown option"):
+        await aiordma.connect(HOST, 1, bogus=1, **opts)
+    with pytest.raises(ValueError):
+        await aiordma.listen(lambda ep: asyncio.sleep(0), HOST, 0, recv_depth=1, **opts)
+
+
+async def test_handler_exception_keeps_listener_serving(opts: dict) -> None:
+    calls = 0
+
+    async def handler(ep: aiordma.Endpoint) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise RuntimeError("handler bug")
+        await ep.send(b"ok")
+
+    listener = await aiordma.listen(handler, HOST, 0, **opts)
+    try:
+        ep1 = await aiordma.connect(HOST, listener.port, **opts)
+        with pytest.raises(aiordma.ConnectionClosed):
+            await asyncio.wait_for(ep1.recv(), T)
+        ep1.abort()
+        ep2 = await aiordma.connect(HOST, listener.port, **opts)
+        assert await asyncio.wait_for(ep2.recv(), T) == b"ok"
+        await ep2.close()
+    finally:
+        listener.close()
+        await listener.wait_closed()
+
+
+async def test_soak_random_sizes_and_cancellations(opts: dict) -> None:
+    """Random sizes, random receive cancellations: totals match exactly."""
+    rng = random.Random(1234)
+    sizes = [rng.choice([0, 1, 64, 1000, 16000, 17000, 200_000]) for _ in range(150)]
+    async with pair(opts, recv_depth=8) as (ep, q):
+        srv = await server_ep(q)
+
+        async def receiver() -> list[bytes]:
+            out: list[bytes] = []
+            while len(out) < len(sizes):
+                t = asyncio.ensure_future(srv.recv())
+                if rng.random() < 0.3:
+                    await asyncio.sleep(0)
+                    t.cancel()
+                try:
+                    out.append(await t)
+                except asyncio.CancelledError:
+                    continue
+            return out
+
+        async def sender() -> None:
+            for i, n in enumerate(sizes):
+                await ep.send(payload(n, i))
+
+        got, _ = await asyncio.wait_for(asyncio.gather(receiver(), sender()), 60)
+        assert got == [payload(n, i) for i, n in enumerate(sizes)]
+        assert srv.statistics()["messages_received"] == len(sizes)
+        assert ep.statistics()["messages_sent"] == len(sizes)

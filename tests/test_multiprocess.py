@@ -1,0 +1,101 @@
+"""Real separate processes: the examples, and a peer killed mid-conversation."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pathlib
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+
+import aiordma
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+EX = ROOT / "examples"
+HOST = os.environ.get("AIORDMA_TEST_IP", "127.0.0.1")
+
+pytestmark = pytest.mark.multiprocess
+
+
+def _env(provider: str) -> dict[str, str]:
+    env = dict(os.environ, AIORDMA_PROVIDER=provider)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    return env
+
+
+def _start_server(provider: str, *extra: str) -> tuple[subprocess.Popen[str], int]:
+    proc = subprocess.Popen([sys.executable, str(EX / "echo_server.py"), "--host", HOST,
+                             "--port", "0", *extra], stdout=subprocess.PIPE, text=True,
+                            env=_env(provider))
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    m = re.search(r"listening on [^:]+:(\d+)", line)
+    if not m:
+        proc.kill()
+        pytest.fail(f"echo server did not start: {line!r}")
+    return proc, int(m.group(1))
+
+
+@pytest.mark.timeout(240)
+def test_echo_example_two_processes_0_to_64MiB(provider_name: str) -> None:
+    server, port = _start_server(provider_name)
+    try:
+        r = subprocess.run([sys.executable, str(EX / "echo_client.py"), "--host", HOST,
+                            "--port", str(port), "--count", "3", "--size", "0,1,64,4K,17K,1M,64M"],
+                           capture_output=True, text=True, timeout=200, env=_env(provider_name))
+        assert r.returncode == 0, r.stdout + r.stderr
+        lines = [ln for ln in r.stdout.splitlines() if ln.startswith("echo ok")]
+        assert len(lines) == 7, r.stdout
+        assert "67108864 B" in lines[-1]
+    finally:
+        server.terminate()
+        server.wait(10)
+
+
+@pytest.mark.timeout(120)
+def test_rdma_read_write_example(provider_name: str) -> None:
+    r = subprocess.run([sys.executable, str(EX / "rdma_read_write.py"), "--host", HOST,
+                        "--size", "8M"], capture_output=True, text=True, timeout=100,
+                       env=_env(provider_name))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "rdma_read_write ok" in r.stdout
+
+
+async def test_peer_killed_fails_pending_operations(provider_name: str) -> None:
+    server, port = _start_server(provider_name)
+    try:
+        ep = await aiordma.connect(HOST, port, timeout=10, provider=provider_name)
+        await ep.send(b"x")
+        assert await asyncio.wait_for(ep.recv(), 10) == b"x"
+        pending = asyncio.ensure_future(ep.recv())
+        await asyncio.sleep(0.05)
+        server.send_signal(signal.SIGKILL)
+        with pytest.raises(aiordma.ConnectionClosed):
+            await asyncio.wait_for(pending, 15)
+        assert ep.closed
+        with pytest.raises(aiordma.ConnectionClosed):
+            await ep.send(b"y")
+        await asyncio.wait_for(ep.wait_closed(), 15)
+    finally:
+        server.kill()
+        server.wait(10)
+
+
+async def test_peer_killed_during_large_send(provider_name: str) -> None:
+    server, port = _start_server(provider_name)
+    try:
+        ep = await aiordma.connect(HOST, port, timeout=10, provider=provider_name)
+        sends = [asyncio.ensure_future(ep.send(bytes(4 << 20))) for _ in range(4)]
+        await asyncio.sleep(0.01)
+        server.send_signal(signal.SIGKILL)
+        results = await asyncio.wait_for(asyncio.gather(*sends, return_exceptions=True), 15)
+        # each send either completed before the kill or failed as a closed connection
+        assert all(r is None or isinstance(r, aiordma.ConnectionClosed) for r in results), results
+        await asyncio.wait_for(ep.wait_closed(), 15)
+    finally:
+        server.kill()
+        server.wait(10)
