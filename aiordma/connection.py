@@ -155,8 +155,8 @@ class Listener:
     """Accepts aiordma connections; each one runs ``handler(ep)`` in its own task.
 
     ``port`` is the bound TCP port. ``close()`` stops accepting (existing endpoints
-    live on); ``wait_closed()`` waits for the listening socket and the in-progress
-    handshakes. An endpoint still open when its handler returns is closed gracefully;
+    live on); ``wait_closed()`` waits for the listening socket, the in-progress
+    handshakes and the handlers of accepted connections. An endpoint still open when its handler returns is closed gracefully;
     an exception from the handler is logged and the endpoint aborted.
     """
 
@@ -253,8 +253,12 @@ class Listener:
         return self._server is not None and self._server.is_serving()
 
     async def wait_closed(self) -> None:
+        """Wait until the listening socket is closed and every connection it accepted
+        has finished its handler and been torn down (like asyncio 3.12's Server)."""
         if self._server is not None:
             await self._server.wait_closed()
+        while self._tasks:
+            await asyncio.wait(set(self._tasks))
 
     async def __aenter__(self) -> Listener:
         return self
