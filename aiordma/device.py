@@ -9,10 +9,17 @@ also open a device explicitly with ``aiordma.open_device()`` and pass it as
 from __future__ import annotations
 
 import asyncio
+import logging
+from collections.abc import Callable
 from typing import Any
 
 from .cq_reactor import CQReactor
-from .verbs import Context, open_context, select_provider
+from .verbs import AsyncEvent, Context, EventType, open_context, select_provider
+
+log = logging.getLogger("aiordma")
+
+#: events that break every connection of the device (or of the port)
+_DEVICE_WIDE = (EventType.DEVICE_FATAL, EventType.PORT_ERR)
 
 
 class Device:
@@ -28,6 +35,9 @@ class Device:
         self._refs = 1
         self._shared_key = shared_key
         self.closed = False
+        self._qp_watchers: dict[int, Callable[[AsyncEvent], None]] = {}
+        self._async_loop: asyncio.AbstractEventLoop | None = None
+        self.async_events = 0
 
     @classmethod
     def acquire(cls, name: str | None = None, provider: str | None = None) -> Device:
@@ -53,7 +63,39 @@ class Device:
         if r is None or r.loop is not loop or r._closed:
             r = CQReactor(self.ctx, loop, **opts)
             self._reactors[id(loop)] = r
+        if self._async_loop is None or self._async_loop.is_closed():
+            # The device's async-event fd is watched by the first loop that uses it.
+            loop.add_reader(self.ctx.async_fd, self._on_async_events)
+            self._async_loop = loop
         return r
+
+    def watch_qp(self, qp_num: int, on_event: Callable[[AsyncEvent], None]) -> None:
+        """Call ``on_event(ev)`` for async events of QP ``qp_num`` (QP fatal, access or
+        request errors) and for device-wide failures (port down, device fatal)."""
+        self._qp_watchers[qp_num] = on_event
+
+    def unwatch_qp(self, qp_num: int) -> None:
+        self._qp_watchers.pop(qp_num, None)
+
+    def _on_async_events(self) -> None:
+        """Drain the async fd (the provider acknowledges each event) and act on them."""
+        for ev in self.ctx.get_async_events():
+            self.async_events += 1
+            if ev.event_type in _DEVICE_WIDE:
+                log.error("aiordma: %s on %s port %s: failing its connections",
+                          ev.event_type, self.name, ev.port_num)
+                targets = list(self._qp_watchers.values())
+            elif ev.qp_num is not None and ev.qp_num in self._qp_watchers:
+                targets = [self._qp_watchers[ev.qp_num]]
+            else:
+                if ev.event_type == EventType.CQ_ERR:
+                    log.error("aiordma: CQ overrun on %s (a bug: CQs are sized 2x)", self.name)
+                continue
+            for cb in targets:
+                try:
+                    cb(ev)
+                except Exception:
+                    log.exception("aiordma: async event handler raised")
 
     def release(self) -> None:
         """Drop one reference; the last one closes reactors and the context."""
@@ -66,6 +108,9 @@ class Device:
         if self.closed:
             return
         self.closed = True
+        if self._async_loop is not None and not self._async_loop.is_closed():
+            self._async_loop.remove_reader(self.ctx.async_fd)
+        self._async_loop = None
         for r in self._reactors.values():
             r.close()
         self._reactors.clear()

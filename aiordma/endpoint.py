@@ -73,6 +73,8 @@ from .verbs import (
     WC,
     Access,
     AHAttr,
+    AsyncEvent,
+    EventType,
     QPAttr,
     QPCap,
     QPState,
@@ -179,6 +181,7 @@ class Endpoint:
             self._destroy_resources()
             raise
         self.qp_num = self._qp.qp_num
+        device.watch_qp(self.qp_num, self._on_async_event)
         self._psn = random.randrange(1 << 24)
         self._sq = SendQueue(self._send_depth, opts.signal_interval)
         self._regions = RegionTable()
@@ -1061,7 +1064,16 @@ class Endpoint:
             if not self._done.done():
                 self._done.set_result(None)
 
+    def _on_async_event(self, ev: AsyncEvent) -> None:
+        """A fatal async event for our QP (or the whole port/device) kills the connection."""
+        if ev.event_type in (EventType.COMM_EST, EventType.SQ_DRAINED,
+                             EventType.QP_LAST_WQE_REACHED):
+            return
+        self._fail(ConnectionClosed(f"device reported {ev.event_type} for this connection"))
+
     def _destroy_resources(self) -> None:
+        if "_qp" in self.__dict__:
+            self._device.unwatch_qp(self._qp.qp_num)
         for region in self._regions.regions() if hasattr(self, "_regions") else []:
             region.close()
         for name in ("_qp", "_staging_out", "_staging_in", "_spool", "_rpool"):

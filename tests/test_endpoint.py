@@ -575,3 +575,32 @@ async def test_soak_random_sizes_and_cancellations(opts: dict) -> None:
         assert got == [payload(n, i) for i, n in enumerate(sizes)]
         assert srv.statistics()["messages_received"] == len(sizes)
         assert ep.statistics()["messages_sent"] == len(sizes)
+
+
+@pytest.mark.parametrize("event", ["QP_FATAL", "PORT_ERR"])
+async def test_device_async_events_fail_the_right_connections(opts: dict, event: str,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    from aiordma.verbs import AsyncEvent, EventType
+
+    async with pair(opts) as (ep1, q):
+        srv1 = await server_ep(q)
+        ep2 = await aiordma.connect(HOST, (ep1.peer_address or ("", 0))[1], **opts)
+        try:
+            srv2 = await server_ep(q)
+            device = ep1._device
+            ev = (AsyncEvent(EventType.QP_FATAL, qp_num=ep1.qp_num) if event == "QP_FATAL"
+                  else AsyncEvent(EventType.PORT_ERR, port_num=1))
+            monkeypatch.setattr(device.ctx, "get_async_events", lambda: [ev])
+            pending = asyncio.ensure_future(ep1.recv())
+            await asyncio.sleep(0)
+            device._on_async_events()
+            monkeypatch.undo()
+            with pytest.raises(aiordma.ConnectionClosed, match=event):
+                await asyncio.wait_for(pending, T)
+            if event == "QP_FATAL":  # only that connection died
+                await ep2.send(b"fine")
+                assert await asyncio.wait_for(srv2.recv(), T) == b"fine"
+            else:  # the port went down: every connection on the device failed
+                assert ep2.closed and srv1.closed
+        finally:
+            ep2.abort()
