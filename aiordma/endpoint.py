@@ -359,14 +359,7 @@ class Endpoint:
             op = _Op(_DATA, fut, payload=mv)
         else:
             op = _Op(_RNDV, fut, payload=self._rndv_source(mv), msg_id=next(self._msg_ids))
-        self._sendq.append(op)
-        self._kick()
-        try:
-            await fut
-        except asyncio.CancelledError:
-            if not op.posted:
-                self._unqueue(self._sendq, op)
-            raise
+        await self._submit(self._sendq, op)
         self.messages_sent += 1
         self.bytes_sent += n
 
@@ -527,7 +520,7 @@ class Endpoint:
         span = self._one_sided_span(local, remote, writable=False)
         wr = SendWR(0, WROpcode.RDMA_WRITE, [SGE(span.addr, span.length, span.lkey)],
                     remote_addr=remote.addr, rkey=remote.rkey)
-        await self._one_sided(_Op(_WRITE, None, wr=wr, keep=span))
+        await self._submit(self._oneq, _Op(_WRITE, self._loop.create_future(), wr=wr, keep=span))
 
     async def read(self, local: Any, remote: RemoteBuffer) -> None:
         """RDMA READ ``len(local)`` bytes from the start of ``remote`` into ``local``.
@@ -537,7 +530,7 @@ class Endpoint:
         span = self._one_sided_span(local, remote, writable=True)
         wr = SendWR(0, WROpcode.RDMA_READ, [SGE(span.addr, span.length, span.lkey)],
                     remote_addr=remote.addr, rkey=remote.rkey)
-        await self._one_sided(_Op(_READ, None, wr=wr, keep=span))
+        await self._submit(self._oneq, _Op(_READ, self._loop.create_future(), wr=wr, keep=span))
 
     async def write_with_imm(self, local: Any, remote: RemoteBuffer, imm: int) -> None:
         """RDMA WRITE with a 32-bit immediate; the peer gets ``imm`` from ``recv_imm()``
@@ -548,16 +541,7 @@ class Endpoint:
         self._check_send()
         wr = SendWR(0, WROpcode.RDMA_WRITE_WITH_IMM, [SGE(span.addr, span.length, span.lkey)],
                     imm_data=imm, remote_addr=remote.addr, rkey=remote.rkey)
-        fut: asyncio.Future[None] = self._loop.create_future()
-        op = _Op(_IMM, fut, wr=wr, keep=span)
-        self._sendq.append(op)
-        self._kick()
-        try:
-            await fut
-        except asyncio.CancelledError:
-            if not op.posted:
-                self._unqueue(self._sendq, op)
-            raise
+        await self._submit(self._sendq, _Op(_IMM, self._loop.create_future(), wr=wr, keep=span))
 
     async def recv_imm(self) -> int:
         """The immediate of the next ``write_with_imm`` from the peer (in order).
@@ -584,7 +568,7 @@ class Endpoint:
         self._check_atomic(remote)
         wr = SendWR(0, WROpcode.ATOMIC_FETCH_AND_ADD, [], remote_addr=remote.addr,
                     rkey=remote.rkey, compare_add=value & _MASK64)
-        result: int = await self._one_sided(_Op(_ATOMIC, None, wr=wr))
+        result: int = await self._submit(self._oneq, _Op(_ATOMIC, self._loop.create_future(), wr=wr))
         return result
 
     async def compare_swap(self, remote: RemoteBuffer, expected: int, new: int) -> int:
@@ -593,7 +577,7 @@ class Endpoint:
         self._check_atomic(remote)
         wr = SendWR(0, WROpcode.ATOMIC_CMP_AND_SWP, [], remote_addr=remote.addr,
                     rkey=remote.rkey, compare_add=expected & _MASK64, swap=new & _MASK64)
-        result: int = await self._one_sided(_Op(_ATOMIC, None, wr=wr))
+        result: int = await self._submit(self._oneq, _Op(_ATOMIC, self._loop.create_future(), wr=wr))
         return result
 
     def _check_atomic(self, remote: RemoteBuffer) -> None:
@@ -615,16 +599,20 @@ class Endpoint:
                              f"range of {remote.length}")
         return span
 
-    async def _one_sided(self, op: _Op) -> Any:
-        fut: asyncio.Future[Any] = self._loop.create_future()
-        op.fut = fut
-        self._oneq.append(op)
+    async def _submit(self, q: collections.deque[_Op], op: _Op) -> Any:
+        """Queue ``op`` on ``q``, post what resources allow, wait for its completion.
+
+        Cancelled before it was posted: removed, never sent. Cancelled after: it runs
+        to completion on the device and its buffers stay pinned until then.
+        """
+        q.append(op)
         self._kick()
+        assert op.fut is not None
         try:
-            return await fut
+            return await op.fut
         except asyncio.CancelledError:
             if not op.posted:
-                self._unqueue(self._oneq, op)
+                self._unqueue(q, op)
             raise
 
     # ---------------------------------------------------------------- posting
