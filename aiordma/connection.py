@@ -131,10 +131,7 @@ async def connect(host: str, port: int, *, timeout: float = 10.0, **opts: Any) -
         ep.start(reader, writer)
         return ep
     except BaseException:
-        writer.close()
-        if ep is not None:
-            ep.abort()
-            await _quiet(ep.wait_closed())
+        await _discard(writer, ep)
         raise
 
 
@@ -142,6 +139,14 @@ def _check_peer(ep: Endpoint, peer: Hello) -> None:
     if peer.provider != ep.provider:
         raise HandshakeError(f"provider mismatch: peer uses {peer.provider!r}, we use "
                              f"{ep.provider!r}")
+
+
+async def _discard(writer: asyncio.StreamWriter, ep: Endpoint | None) -> None:
+    """Undo a half-made connection: drop the TCP side, abort and destroy the endpoint."""
+    writer.close()
+    if ep is not None:
+        ep.abort()
+        await _quiet(ep.wait_closed())
 
 
 async def _quiet(aw: Awaitable[Any]) -> None:
@@ -238,10 +243,7 @@ class Listener:
             ep.start(reader, writer)
             return ep
         except BaseException:
-            writer.close()
-            if ep is not None:
-                ep.abort()
-                await _quiet(ep.wait_closed())
+            await _discard(writer, ep)
             raise
 
     def close(self) -> None:
