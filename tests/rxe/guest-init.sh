@@ -133,6 +133,8 @@ export PYTHONPATH="$PROJECT${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
 export AIORDMA_RXE_GUEST=1 AIORDMA_RXE_RESULTS="$RESULTS" AIORDMA_RXE_DEVICE="$RXE_DEV" \
        AIORDMA_RXE_NETDEV="$nic" AIORDMA_RXE_ADDR="$ip4" AIORDMA_RXE_GID_INDEX="$gid_index"
+# Tests and examples connect over the address that carries the rxe GID (127.0.0.1 has none).
+export AIORDMA_TEST_IP="${AIORDMA_TEST_IP:-$ip4}"
 
 read -r up _ < /proc/uptime
 echo "$up" > "$RESULTS/boot-seconds"
