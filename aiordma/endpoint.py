@@ -203,6 +203,8 @@ class Endpoint:
         self._first_error: BaseException | None = None
         self._failed = False
         self._close_sent = False
+        self._eof: asyncio.Future[None] | None = None  # our CLOSE frame (send_eof/close)
+        self._eof_queued = False
         self._remote_closed = False
         self._closing: asyncio.Future[None] | None = None
         self._teardown_task: asyncio.Task[None] | None = None
@@ -950,6 +952,8 @@ class Endpoint:
 
     def _check_send(self) -> None:
         self._check_open()
+        if self._eof is not None:
+            raise ConnectionClosed("cannot send after send_eof()")
         if self._credits is None:
             raise ConnectionClosed("endpoint is not connected")
 
@@ -1085,8 +1089,8 @@ class Endpoint:
     async def close(self) -> None:
         """Graceful close: queued and posted sends complete, then the peer gets EOF
         (its ``recv`` raises ConnectionClosed after everything sent before), then the
-        resources are destroyed. Idempotent; waits at most ``close_timeout`` for the
-        pending sends, then aborts."""
+        resources are destroyed (after ``send_eof()`` the peer already has its EOF).
+        Idempotent; waits at most ``close_timeout`` for the pending sends, then aborts."""
         if self._closing is None and not self._failed:
             self._closing = self._loop.create_future()
             if not self._ops_pending():
@@ -1106,10 +1110,65 @@ class Endpoint:
 
     async def _send_close_frame(self) -> None:
         self._close_sent = True
-        fut: asyncio.Future[None] = self._loop.create_future()
-        self._ctrlq.append(_Op(_CTRL, fut, payload=(FrameType.CLOSE, 0)))
+        self._post_eof()  # no-op when send_eof() already queued it
+        assert self._eof is not None
+        await asyncio.wait_for(asyncio.shield(self._eof), self._opts.close_timeout)
+
+    async def send_eof(self) -> None:
+        """Half-close, like ``socket.shutdown(SHUT_WR)``: once every message already
+        passed to ``send`` is delivered, send the peer EOF (its ``recv`` raises
+        ConnectionClosed after everything sent before) without tearing anything down.
+
+        The connection stays open in the other direction: the peer may still send,
+        this endpoint still receives (and keeps returning credits), one-sided operations
+        still work. From this call on ``send``/``write_with_imm`` raise ConnectionClosed;
+        ``close()`` later finishes the connection without a second EOF. Returns when the
+        peer's device has the EOF; cancelling the wait does not withdraw it. Idempotent.
+        Raises ConnectionClosed if the endpoint is closed, or fails before the EOF went.
+        """
+        self._check_open()
+        if self._credits is None:
+            raise ConnectionClosed("endpoint is not connected")
+        if self._eof is None:
+            pending = [op.fut for op in (*self._sendq, *(op for _w, op in self._sq._q),
+                                         *self._rndv_out.values())
+                       if op.kind in (_DATA, _RNDV, _IMM) and op.fut is not None
+                       and not op.fut.done()]
+            self._new_eof()
+            left = len(pending)
+
+            def sent(_f: asyncio.Future[Any]) -> None:
+                nonlocal left
+                left -= 1
+                if not left:
+                    self._post_eof()
+
+            for f in pending:
+                f.add_done_callback(sent)
+            if not pending:
+                self._post_eof()
+        assert self._eof is not None
+        await asyncio.shield(self._eof)
+
+    def _new_eof(self) -> asyncio.Future[None]:
+        if self._eof is None:
+            self._eof = self._loop.create_future()
+            # Nobody may wait for it (a cancelled send_eof): never warn "never retrieved".
+            self._eof.add_done_callback(lambda f: f.cancelled() or f.exception())
+        return self._eof
+
+    def _post_eof(self) -> None:
+        """Queue our CLOSE frame once (it completes ``self._eof``); after a failure,
+        fail ``self._eof`` instead."""
+        eof = self._new_eof()
+        if self._eof_queued or eof.done():
+            return
+        if self._failed:
+            eof.set_exception(self._closed_error())
+            return
+        self._eof_queued = True
+        self._ctrlq.append(_Op(_CTRL, eof, payload=(FrameType.CLOSE, 0)))
         self._kick()
-        await asyncio.wait_for(asyncio.shield(fut), self._opts.close_timeout)
 
     def abort(self) -> None:
         """Immediate close: every pending operation fails with ConnectionClosed now;

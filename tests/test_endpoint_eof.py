@@ -1,0 +1,86 @@
+"""``Endpoint.send_eof()``: the half-close under ``RDMATransport.write_eof()``."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from collections.abc import AsyncIterator
+
+import pytest
+
+import aiordma
+
+HOST = os.environ.get("AIORDMA_TEST_IP", "127.0.0.1")
+T = 20.0
+
+
+@contextlib.asynccontextmanager
+async def pair(provider: str, **extra: object) -> AsyncIterator[tuple[aiordma.Endpoint,
+                                                                      aiordma.Endpoint]]:
+    q: asyncio.Queue[aiordma.Endpoint] = asyncio.Queue()
+    done = asyncio.Event()
+
+    async def handler(ep: aiordma.Endpoint) -> None:
+        await q.put(ep)
+        await done.wait()
+
+    listener = await aiordma.listen(handler, HOST, 0, provider=provider, **extra)
+    try:
+        ep = await aiordma.connect(HOST, listener.port, timeout=T, provider=provider, **extra)
+        try:
+            yield ep, await asyncio.wait_for(q.get(), T)
+        finally:
+            done.set()
+            ep.abort()
+            await asyncio.wait_for(ep.wait_closed(), T)
+    finally:
+        listener.close()
+        await asyncio.wait_for(listener.wait_closed(), T)
+
+
+async def test_send_eof_after_pending_sends_then_peer_still_sends_back(provider_name: str) -> None:
+    async with pair(provider_name, recv_depth=4) as (ep, srv):
+        big = os.urandom(3 << 20)
+        sends = [asyncio.ensure_future(ep.send(m)) for m in (b"a", big, b"b" * 100)]
+        await asyncio.sleep(0)
+        eof = asyncio.ensure_future(ep.send_eof())
+        await asyncio.sleep(0)  # send_eof has started: later sends are refused
+        with pytest.raises(aiordma.ConnectionClosed, match="send_eof"):
+            await ep.send(b"late")
+        assert await asyncio.wait_for(srv.recv(), T) == b"a"
+        assert await asyncio.wait_for(srv.recv(), T) == big
+        assert await asyncio.wait_for(srv.recv(), T) == b"b" * 100
+        for _ in range(2):  # EOF is sticky
+            with pytest.raises(aiordma.ConnectionClosed):
+                await asyncio.wait_for(srv.recv(), T)
+        await asyncio.wait_for(asyncio.gather(*sends, eof), T)
+        await ep.send_eof()  # idempotent
+        assert not ep.closed and not srv.closed
+        # The other direction is open, credits included: many times recv_depth.
+        for i in range(40):
+            await asyncio.wait_for(srv.send(i.to_bytes(2, "little")), T)
+            assert await asyncio.wait_for(ep.recv(), T) == i.to_bytes(2, "little")
+        await asyncio.wait_for(srv.close(), T)
+        with pytest.raises(aiordma.ConnectionClosed):
+            await asyncio.wait_for(ep.recv(), T)
+        await asyncio.wait_for(ep.close(), T)  # no second CLOSE frame; no hang
+        assert ep.closed
+
+
+async def test_close_right_after_send_eof_sends_one_eof(provider_name: str) -> None:
+    async with pair(provider_name) as (ep, srv):
+        await ep.send(b"x")
+        eof = asyncio.ensure_future(ep.send_eof())
+        await asyncio.wait_for(ep.close(), T)
+        await asyncio.wait_for(eof, T)
+        assert await asyncio.wait_for(srv.recv(), T) == b"x"
+        with pytest.raises(aiordma.ConnectionClosed):
+            await asyncio.wait_for(srv.recv(), T)
+
+
+async def test_send_eof_on_closed_endpoint_raises(provider_name: str) -> None:
+    async with pair(provider_name) as (ep, _srv):
+        ep.abort()
+        with pytest.raises(aiordma.ConnectionClosed):
+            await ep.send_eof()
