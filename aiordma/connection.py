@@ -173,7 +173,7 @@ class Listener:
         self.handshake_errors = 0
         self.accepted = 0
 
-    async def _start(self, host: str, port: int, **server_kw: Any) -> None:
+    async def _start(self, host: str | None, port: int, **server_kw: Any) -> None:
         self._server = await asyncio.start_server(self._on_client, host, port, **server_kw)
 
     @property
@@ -251,6 +251,12 @@ class Listener:
         if self._server is not None:
             self._server.close()
 
+    async def start_serving(self) -> None:
+        """Start accepting connections (after ``listen(..., start_serving=False)``).
+        Idempotent."""
+        if self._server is not None:
+            await self._server.start_serving()
+
     def is_serving(self) -> bool:
         return self._server is not None and self._server.is_serving()
 
@@ -281,13 +287,16 @@ def _reply(writer: asyncio.StreamWriter, data: bytes) -> None:
         pass
 
 
-async def listen(handler: Handler, host: str = "127.0.0.1", port: int = 0, **opts: Any) -> Listener:
+async def listen(handler: Handler, host: str | None = "127.0.0.1", port: int = 0, *,
+                 start_serving: bool = True, **opts: Any) -> Listener:
     """Listen for aiordma connections on ``host:port`` (0 = any free port).
 
     ``handler(ep)`` runs in its own task per connection. Options as ``connect``.
+    ``start_serving=False`` binds and listens but accepts nothing until
+    ``listener.start_serving()`` (as asyncio's ``create_server``).
     Raises OSError if the address is in use, TypeError/ValueError for bad options.
     """
     o = EndpointOptions.from_kwargs(opts)
     listener = Listener(handler, o)
-    await listener._start(host, port)
+    await listener._start(host, port, start_serving=start_serving)
     return listener
