@@ -1,0 +1,502 @@
+"""``python -m aiordma bench``: aiordma side by side with its alternatives.
+
+perftest-style tests (``--tests``): ``send_lat write_lat read_lat atomic_lat`` (one
+operation at a time, round trips), ``send_bw write_bw read_bw`` (``--window``
+operations in flight), ``msg_rate`` (small sends, window ``--rate-window`` = 64) and
+``reactor`` (the completion reactor alone, in one process). Server and client run
+in separate processes.
+
+Baselines (``--baselines``), measured in the same run with the same patterns and
+sizes: asyncio TCP and Unix sockets with the Protocol and streams APIs on the same
+event loop (``tcp-proto tcp-streams unix-proto unix-streams``), a memory-copy
+ceiling (``memcpy``); inside an RDMA-capable VM, ``pyverbs`` and ``perftest``.
+Every aiordma figure is reported with its ratio to each matching baseline; the first
+(reference) one is ``tcp-proto``.
+
+Every loop is bounded: at most ``--iters`` operations (and ``--max-bytes`` of data)
+and ``--max-seconds`` per test; every wait has a timeout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from .common import (
+    ALL_TESTS,
+    BW_TESTS,
+    DEFAULT_BASELINES,
+    DEFAULT_SIZES,
+    EXTERNAL_BASELINES,
+    LAT_TESTS,
+    LOCAL_BASELINES,
+    REFERENCE,
+    SOCKET_BASELINES,
+    TWO_PROCESS_TESTS,
+    Config,
+    Result,
+    fmt_size,
+    parse_sizes,
+    test_sizes,
+    test_timeout,
+)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m aiordma bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tests", default=",".join(ALL_TESTS),
+                   help=f"comma-separated subset of: {', '.join(ALL_TESTS)}")
+    p.add_argument("--sizes", default=DEFAULT_SIZES,
+                   help="message sizes, e.g. 8,64,4K,1M or a power-of-two range 8-16M "
+                        f"(default {DEFAULT_SIZES})")
+    p.add_argument("--iters", type=int, default=1000,
+                   help="operations per test and size (msg_rate: 10x; capped by --max-bytes)")
+    p.add_argument("--warmup", type=int, default=100, help="warm-up operations (<= iters/10)")
+    p.add_argument("--window", type=int, default=16, help="operations in flight for *_bw")
+    p.add_argument("--rate-window", type=int, default=64, help="sends in flight for msg_rate")
+    p.add_argument("--max-seconds", type=float, default=3.0, help="time bound of each test")
+    p.add_argument("--max-bytes", default="512M", help="data bound of each test")
+    p.add_argument("--provider", default=None, help="aiordma provider (soft|verbs)")
+    p.add_argument("--device", default=None, help="aiordma device name")
+    p.add_argument("--loop", choices=["asyncio", "uvloop"], default="uvloop",
+                   help="event loop of every process, baselines included")
+    p.add_argument("--poll-mode", choices=["blocking", "hybrid", "polling"], default=None)
+    p.add_argument("--spin-us", type=int, default=None)
+    p.add_argument("--baselines", default=",".join(DEFAULT_BASELINES),
+                   help="comma-separated: " + ", ".join(
+                       (*SOCKET_BASELINES, *LOCAL_BASELINES, *EXTERNAL_BASELINES))
+                   + "; 'none' for aiordma alone")
+    p.add_argument("--no-aiordma", action="store_true", help="run the baselines only")
+    p.add_argument("--json", action="store_true",
+                   help="one JSON object per result on stdout (the table goes to stderr)")
+    p.add_argument("--plot", metavar="FILE.png", default=None,
+                   help="plot every test against size (needs matplotlib: aiordma[plot])")
+    return p
+
+
+def config_from_args(a: argparse.Namespace) -> Config:
+    from .common import parse_size
+
+    tests = [t.strip() for t in a.tests.split(",") if t.strip()]
+    bad = [t for t in tests if t not in ALL_TESTS]
+    if bad:
+        raise SystemExit(f"bench: unknown test(s) {', '.join(bad)}; choose from "
+                         f"{', '.join(ALL_TESTS)}")
+    sizes = parse_sizes(a.sizes)
+    if not sizes:
+        raise SystemExit("bench: --sizes is empty")
+    if a.iters < 1 or a.window < 1 or a.rate_window < 1 or a.max_seconds <= 0:
+        raise SystemExit("bench: --iters, --window, --rate-window and --max-seconds must be positive")
+    return Config(tests=tests, sizes=sizes, iters=a.iters, warmup=max(0, a.warmup),
+                  window=a.window, rate_window=a.rate_window, max_seconds=a.max_seconds,
+                  max_bytes=parse_size(a.max_bytes), loop=a.loop, provider=a.provider,
+                  device=a.device, poll_mode=a.poll_mode, spin_us=a.spin_us)
+
+
+# ======================================================================= running
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def _drain(stream: Any, sink: list[str]) -> threading.Thread:
+    def pump() -> None:
+        for line in stream:
+            sink.append(line)
+    t = threading.Thread(target=pump, daemon=True)
+    t.start()
+    return t
+
+
+def run_pair(transport: str, cfg: Config) -> tuple[list[Result], dict[str, Any]]:
+    """Run one transport's tests with a server and a client process."""
+    cmd = [sys.executable, "-m", "benchmarks.worker"]
+    n_tests = sum(len(test_sizes(t, cfg.sizes)) for t in cfg.tests if t in TWO_PROCESS_TESTS)
+    budget = n_tests * test_timeout(cfg) + 60
+    server = subprocess.Popen([*cmd, "server", transport, cfg.to_json()], cwd=ROOT, env=_env(),
+                              stdout=subprocess.PIPE, text=True)
+    results: list[Result] = []
+    stats: dict[str, Any] = {}
+    try:
+        assert server.stdout is not None
+        ready = _readline_timeout(server.stdout, 60)
+        if not ready.startswith("READY "):
+            raise RuntimeError(f"{transport} server did not start: {ready!r}")
+        info = ready[len("READY "):].strip()
+        client = subprocess.Popen([*cmd, "client", transport, cfg.to_json(), info], cwd=ROOT,
+                                  env=_env(), stdout=subprocess.PIPE, text=True)
+        assert client.stdout is not None
+        deadline = time.monotonic() + budget
+        for line in _lines_until(client.stdout, deadline):
+            if line.startswith("RESULT "):
+                d = json.loads(line[len("RESULT "):])
+                r = Result(**d)
+                results.append(r)
+                _log(f"  {transport:13s} {r.test:10s} {fmt_size(r.size):>5s}  "
+                     + (r.error or _brief(r)))
+            elif line.startswith("STATS "):
+                stats = json.loads(line[len("STATS "):])
+        try:
+            client.wait(max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            client.kill()
+            client.wait(10)
+            _log(f"bench: {transport} client killed after {budget:.0f}s")
+        if client.returncode:
+            _log(f"bench: {transport} client exited with status {client.returncode}")
+    finally:
+        try:
+            server.wait(15)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait(10)
+    return results, stats
+
+
+def _readline_timeout(stream: Any, seconds: float) -> str:
+    out: list[str] = []
+    t = threading.Thread(target=lambda: out.append(stream.readline()), daemon=True)
+    t.start()
+    t.join(seconds)
+    return out[0] if out else ""
+
+
+def _lines_until(stream: Any, deadline: float) -> Iterable[str]:
+    lines: list[str] = []
+    t = _drain(stream, lines)
+    i = 0
+    while True:
+        while i < len(lines):
+            yield lines[i]
+            i += 1
+        if not t.is_alive() and i >= len(lines):
+            return
+        if time.monotonic() > deadline:
+            return
+        t.join(0.05)
+
+
+def _brief(r: Result) -> str:
+    parts = []
+    if r.lat_median_us is not None:
+        parts.append(f"median {r.lat_median_us:8.1f} us")
+    if r.gbps is not None and r.test not in LAT_TESTS:
+        parts.append(f"{r.gbps:7.3f} GB/s")
+    if r.msgs_per_s is not None:
+        parts.append(f"{r.msgs_per_s:10.0f} msg/s")
+    if r.cpu_us_per_op is not None:
+        parts.append(f"cpu {r.cpu_us_per_op:7.1f} us/op")
+    return "  ".join(parts)
+
+
+def memcpy_ceiling(cfg: Config) -> list[Result]:
+    """Bytes per second of a plain buffer copy (``dst[:] = src``) at every size."""
+    out = []
+    sizes = sorted({s for t in cfg.tests if t in TWO_PROCESS_TESTS for s in test_sizes(t, cfg.sizes)})
+    for size in sizes:
+        src = memoryview(bytearray(size))
+        dst = memoryview(bytearray(size))
+        for _ in range(3):
+            dst[:] = src
+        n = max(3, min(cfg.iters * 10, cfg.max_bytes // size))
+        deadline = time.perf_counter() + min(cfg.max_seconds, 1.0)
+        c0 = time.process_time()
+        t0 = time.perf_counter()
+        i = 0
+        while i < n:
+            dst[:] = src
+            i += 1
+            if not i & 15 and time.perf_counter() > deadline:
+                break
+        secs = time.perf_counter() - t0
+        res = Result("memcpy", "memcpy", size, ops=i, seconds=secs, loop="-")
+        res.gbps = i * size / secs / 1e9
+        res.msgs_per_s = i / secs
+        res.cpu_us_per_op = (time.process_time() - c0) / i * 1e6
+        out.append(res)
+    return out
+
+
+# ======================================================================= ratios & table
+def primary(r: Result) -> float | None:
+    """The figure a test is judged by: median round trip (lat), GB/s (bw), msgs/s (rate)."""
+    if r.test in LAT_TESTS:
+        return r.lat_median_us
+    if r.test in BW_TESTS or r.test == "memcpy":
+        return r.gbps
+    return r.msgs_per_s
+
+
+def add_ratios(results: list[Result]) -> None:
+    """For each aiordma result, ratios to the baselines of the same test and size:
+    ``lat`` (median, lower is better), ``gbps``, ``rate`` (higher is better), ``cpu``
+    (CPU per operation, lower is better), ``memcpy`` (fraction of the copy ceiling)."""
+    index = {(r.transport, r.test, r.size): r for r in results if r.error is None}
+    mem = {r.size: r for r in results if r.transport == "memcpy" and r.error is None}
+    for r in results:
+        if r.transport != "aiordma" or r.error is not None:
+            continue
+        for (tr, test, size), b in index.items():
+            if tr == "aiordma" or test != r.test or size != r.size:
+                continue
+            d: dict[str, float] = {}
+            if r.lat_median_us and b.lat_median_us:
+                d["lat"] = r.lat_median_us / b.lat_median_us
+            if r.test not in LAT_TESTS and r.gbps and b.gbps:
+                d["gbps"] = r.gbps / b.gbps
+            if r.msgs_per_s and b.msgs_per_s:
+                d["rate"] = r.msgs_per_s / b.msgs_per_s
+            if r.cpu_us_per_op and b.cpu_us_per_op:
+                d["cpu"] = r.cpu_us_per_op / b.cpu_us_per_op
+            r.ratios[tr] = d
+        m = mem.get(r.size)
+        if m is not None and r.test in BW_TESTS and r.gbps and m.gbps:
+            r.ratios["memcpy"] = {"gbps": r.gbps / m.gbps}
+
+
+def _f(v: float | None, spec: str = ".1f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def _rate(v: float | None) -> str:
+    if v is None:
+        return "-"
+    if v >= 1e6:
+        return f"{v / 1e6:.2f}M"
+    if v >= 1e3:
+        return f"{v / 1e3:.1f}k"
+    return f"{v:.0f}"
+
+
+def _ratio_key(test: str) -> str:
+    return "lat" if test in LAT_TESTS else "gbps" if test in BW_TESTS else "rate"
+
+
+def format_table(results: list[Result], cfg: Config, baselines: list[str]) -> str:
+    lines: list[str] = []
+    w = lines.append
+    head = (f"{'test':10s} {'size':>5s} {'transport':13s} {'median':>8s} {'p99':>8s} {'min':>8s}"
+            f" {'GB/s':>8s} {'msgs/s':>8s} {'cpu/op':>8s}  ratio to {REFERENCE}")
+    w("Latencies are round trips in microseconds; GB/s = 1e9 B/s of payload; cpu/op = CPU "
+      "microseconds per operation, both processes (every thread) together.")
+    w("ratio: lat = median/baseline (lower is better), bw and msgs/s = aiordma/baseline "
+      "(higher is better), cpu = cpu/op ratio.")
+    w("")
+    w(head)
+    w("-" * len(head))
+    order = {t: i for i, t in enumerate((*ALL_TESTS, "memcpy"))}
+    tr_order = {t: i for i, t in enumerate(("aiordma", *SOCKET_BASELINES, *EXTERNAL_BASELINES,
+                                            "memcpy", "reactor-fake", "reactor-future",
+                                            "reactor-soft"))}
+    rows = sorted(results, key=lambda r: (order.get(r.test, 99), r.size,
+                                          tr_order.get(r.transport, 99)))
+    prev = None
+    for r in rows:
+        if r.test == "reactor":
+            continue
+        if prev is not None and (r.test, r.size) != prev:
+            w("")
+        prev = (r.test, r.size)
+        if r.error:
+            w(f"{r.test:10s} {fmt_size(r.size):>5s} {r.transport:13s} ERROR {r.error}")
+            continue
+        lat = r.test in LAT_TESTS
+        gb = r.gbps if (not lat and r.test != "msg_rate") else None
+        ratio = ""
+        ref = r.ratios.get(REFERENCE)
+        if ref:
+            k = _ratio_key(r.test)
+            ratio = f"{_f(ref.get(k), '.2f')}x"
+            if "cpu" in ref:
+                ratio += f" (cpu {ref['cpu']:.2f}x)"
+        if "memcpy" in r.ratios:
+            ratio += f" memcpy {r.ratios['memcpy']['gbps'] * 100:.0f}%"
+        w(f"{r.test:10s} {fmt_size(r.size):>5s} {r.transport:13s} "
+          f"{_f(r.lat_median_us if lat else None):>8s} {_f(r.lat_p99_us if lat else None):>8s} "
+          f"{_f(r.lat_min_us if lat else None):>8s} {_f(gb, '.3f'):>8s} "
+          f"{_rate(r.msgs_per_s):>8s} {_f(r.cpu_us_per_op):>8s}  {ratio}")
+    # summary: the primary figure of each transport and the aiordma ratios
+    aio = [r for r in rows if r.transport == "aiordma" and r.error is None]
+    if aio:
+        socks = [b for b in baselines if b in SOCKET_BASELINES or b in EXTERNAL_BASELINES]
+        w("")
+        w("Summary: aiordma vs each baseline (median us for *_lat, GB/s for *_bw, msgs/s for "
+          "msg_rate; ratio = aiordma / baseline)")
+        head2 = f"{'test':10s} {'size':>5s} {'aiordma':>9s}" + "".join(
+            f" {b:>13s} {'ratio':>6s}" for b in socks) + ("  memcpy%" if "memcpy" in baselines else "")
+        w(head2)
+        w("-" * len(head2))
+        idx = {(r.transport, r.test, r.size): r for r in results if r.error is None}
+        for r in aio:
+            k = _ratio_key(r.test)
+            v = primary(r)
+            fmt = (lambda x: _f(x, ".1f")) if k == "lat" else (
+                (lambda x: _f(x, ".3f")) if k == "gbps" else _rate)
+            line = f"{r.test:10s} {fmt_size(r.size):>5s} {fmt(v):>9s}"
+            for b in socks:
+                br = idx.get((b, r.test, r.size))
+                bv = primary(br) if br else None
+                rv = r.ratios.get(b, {}).get(k)
+                rs = f"{rv:.2f}x" if rv else "-"
+                line += f" {fmt(bv):>13s} {rs:>6s}"
+            if "memcpy" in baselines:
+                m = r.ratios.get("memcpy")
+                line += f"  {m['gbps'] * 100:6.1f}%" if m else "       -"
+            w(line)
+    reactor = [r for r in results if r.test == "reactor"]
+    if reactor:
+        w("")
+        w("Reactor micro-benchmark (one process; target <= 3 us per completion at batch >= 16)")
+        head3 = (f"{'variant':15s} {'batch':>5s} {'compl/s':>9s} {'us/compl':>9s} "
+                 f"{'cpu us/compl':>12s} {'compl/wake':>10s}")
+        w(head3)
+        w("-" * len(head3))
+        for r in reactor:
+            if r.error:
+                w(f"{r.transport:15s} {r.size:5d} ERROR {r.error}")
+                continue
+            cpw = r.extra.get("completions_per_wakeup")
+            w(f"{r.transport:15s} {r.size:5d} {_rate(r.msgs_per_s):>9s} {_f(r.lat_mean_us, '.2f'):>9s} "
+              f"{_f(r.cpu_us_per_op, '.2f'):>12s} {_f(cpw, '.1f'):>10s}")
+    return "\n".join(lines)
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for ln in f:
+                if ln.startswith("model name"):
+                    cpu = ln.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return (f"{platform.system()} {platform.release()}, {os.cpu_count()} CPUs ({cpu}), "
+            f"Python {platform.python_version()}")
+
+
+# ======================================================================= plot
+def plot(results: list[Result], path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SystemExit("bench: --plot needs matplotlib (pip install 'aiordma[plot]')") from None
+    tests = [t for t in (*LAT_TESTS, *BW_TESTS, "msg_rate")
+             if any(r.test == t and r.error is None for r in results)]
+    if not tests:
+        _log("bench: nothing to plot")
+        return
+    cols = min(4, len(tests))
+    rows = (len(tests) + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False)
+    for ax, test in zip((a for row in axes for a in row), tests, strict=False):
+        by_tr: dict[str, list[tuple[int, float]]] = {}
+        for r in results:
+            v = primary(r)
+            if r.test == test and r.error is None and v:
+                by_tr.setdefault(r.transport, []).append((r.size, v))
+        if test in BW_TESTS:
+            for r in results:
+                if r.transport == "memcpy" and r.gbps:
+                    by_tr.setdefault("memcpy", []).append((r.size, r.gbps))
+        for tr, pts in sorted(by_tr.items(), key=lambda kv: kv[0] != "aiordma"):
+            pts.sort()
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o" if len(pts) > 1 else "s",
+                    label=tr, linewidth=2.5 if tr == "aiordma" else 1.2,
+                    linestyle="--" if tr == "memcpy" else "-")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(test)
+        ax.set_xlabel("message size (bytes)")
+        ax.set_ylabel("round trip (us)" if test in LAT_TESTS else
+                      "GB/s" if test in BW_TESTS else "msgs/s")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in list(a for row in axes for a in row)[len(tests):]:
+        ax.axis("off")
+    fig.suptitle(f"aiordma bench: {machine()}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    _log(f"bench: plot written to {path}")
+
+
+# ======================================================================= main
+def main(argv: list[str] | None = None) -> int:
+    a = _parser().parse_args(argv)
+    cfg = config_from_args(a)
+    baselines = [b.strip() for b in a.baselines.split(",") if b.strip() and b.strip() != "none"]
+    known = (*SOCKET_BASELINES, *LOCAL_BASELINES, *EXTERNAL_BASELINES)
+    bad = [b for b in baselines if b not in known]
+    if bad:
+        raise SystemExit(f"bench: unknown baseline(s) {', '.join(bad)}; choose from "
+                         f"{', '.join(known)}")
+    ext = [b for b in baselines if b in EXTERNAL_BASELINES]
+    if ext:
+        from .external import BaselineUnavailable, check
+
+        for b in ext:
+            try:
+                check(b, cfg)
+            except BaselineUnavailable as exc:
+                raise SystemExit(f"bench: baseline {b!r} is unavailable here: {exc}") from None
+    _log(f"bench: {machine()}; loop {cfg.loop}; tests {','.join(cfg.tests)}; sizes "
+         f"{','.join(fmt_size(s) for s in cfg.sizes)}; baselines {','.join(baselines) or 'none'}")
+    results: list[Result] = []
+    stats: dict[str, Any] = {}
+    if "reactor" in cfg.tests and not a.no_aiordma:
+        from .reactor import bench as reactor_bench
+
+        _log("bench: reactor micro-benchmark")
+        results += reactor_bench(cfg)
+    two = [t for t in cfg.tests if t in TWO_PROCESS_TESTS]
+    if two:
+        transports = ([] if a.no_aiordma else ["aiordma"]) + [
+            b for b in baselines if b in SOCKET_BASELINES]
+        for tr in transports:
+            _log(f"bench: {tr}")
+            res, st = run_pair(tr, cfg)
+            results += res
+            if tr == "aiordma":
+                stats = st
+        if "memcpy" in baselines:
+            results += memcpy_ceiling(cfg)
+        if "perftest" in baselines:
+            from .external import run_perftest
+
+            results += run_perftest(cfg)
+    add_ratios(results)
+    table = format_table(results, cfg, baselines)
+    out = sys.stderr if a.json else sys.stdout
+    print(f"\naiordma bench -- {machine()}", file=out)
+    print(f"loop={cfg.loop} provider={cfg.provider or 'default'} poll_mode="
+          f"{cfg.poll_mode or 'default'} iters={cfg.iters} window={cfg.window} "
+          f"rate_window={cfg.rate_window} max_seconds={cfg.max_seconds:g}\n", file=out)
+    print(table, file=out, flush=True)
+    if stats:
+        print(f"\naiordma client endpoint statistics: {json.dumps(stats)}", file=out)
+    if a.json:
+        for r in results:
+            print(json.dumps(r.to_dict()), flush=True)
+    if a.plot:
+        plot(results, a.plot)
+    return 1 if any(r.error for r in results) else 0
