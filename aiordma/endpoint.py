@@ -206,6 +206,7 @@ class Endpoint:
         self._eof: asyncio.Future[None] | None = None  # our CLOSE frame (send_eof/close)
         self._eof_queued = False
         self._remote_closed = False
+        self._peer_gone = False  # CLOSE received, then the peer's endpoint went away
         self._closing: asyncio.Future[None] | None = None
         self._teardown_task: asyncio.Task[None] | None = None
         self._drained = loop.create_future()
@@ -280,10 +281,43 @@ class Endpoint:
             while self._sq.used and not self._failed and self._loop.time() < deadline:
                 await asyncio.sleep(0.005)
             self._fail(ConnectionClosed("peer closed the connection"))
-        # else: like TCP's CLOSE_WAIT: the application still reads what was sent before
-        # the peer's CLOSE, then closes us.
+        else:
+            # Like TCP's CLOSE_WAIT: the application still reads what was sent before
+            # the peer's CLOSE, then closes us. Nothing can reach the peer any more.
+            self._on_peer_gone()
+
+    def _on_peer_gone(self) -> None:
+        """The peer sent CLOSE and then tore its endpoint down. What we received stays
+        readable, but nothing can be sent: fail what waits to be posted (sends short of
+        credits, one-sided work) or for RNDV_DONE (it would wait forever), post nothing
+        more (a frame to the dead QP would fail the endpoint and lose what is left to
+        read), refuse new sends."""
+        self._peer_gone = True
+        for q in (self._ctrlq, self._oneq, self._sendq):
+            while q:
+                op = q.popleft()
+                if op.kind == _RNDV:
+                    self._release_source(op.payload)
+                if op.fut is not None and not op.fut.done():
+                    op.fut.set_exception(ConnectionClosed("the peer closed the connection"))
+        in_sq = {id(op) for _w, op in self._sq._q}
+        for msg_id, op in list(self._rndv_out.items()):
+            if op.fut is not None and not op.fut.done():
+                op.fut.set_exception(ConnectionClosed("the peer closed the connection"))
+            if id(op) not in in_sq:  # else its completion (or teardown) releases it
+                del self._rndv_out[msg_id]
+                self._release_source(op.payload)
+        if self._closing is not None and not self._ops_pending():
+            self._wake_closer()
 
     # ---------------------------------------------------------------- properties
+    @property
+    def eager_payload(self) -> int:
+        """Largest message that travels in one SEND (negotiated with the peer); larger
+        ones go by rendezvous. Messages up to this size are held back by receive
+        credits alone, which makes it the natural unit for byte streams."""
+        return self._eager_payload
+
     @property
     def closed(self) -> bool:
         """True once ``close()`` or ``abort()`` was called or the connection failed."""
@@ -640,7 +674,7 @@ class Endpoint:
 
     def _pump(self) -> None:
         """Post as much queued work as send-queue room, buffers and credits allow."""
-        if self._failed:
+        if self._failed or self._peer_gone:
             return
         credits = self._credits
         if credits is None:
@@ -954,6 +988,8 @@ class Endpoint:
         self._check_open()
         if self._eof is not None:
             raise ConnectionClosed("cannot send after send_eof()")
+        if self._peer_gone:
+            raise ConnectionClosed("the peer closed the connection")
         if self._credits is None:
             raise ConnectionClosed("endpoint is not connected")
 
@@ -1097,7 +1133,7 @@ class Endpoint:
                 self._closing.set_result(None)
             try:
                 await asyncio.wait_for(asyncio.shield(self._closing), self._opts.close_timeout)
-                if not self._failed and self._credits is not None:
+                if not self._failed and self._credits is not None and not self._peer_gone:
                     await self._send_close_frame()
             except (TimeoutError, RDMAError):
                 pass
@@ -1163,8 +1199,9 @@ class Endpoint:
         eof = self._new_eof()
         if self._eof_queued or eof.done():
             return
-        if self._failed:
-            eof.set_exception(self._closed_error())
+        if self._failed or self._peer_gone:
+            eof.set_exception(self._closed_error() if self._failed
+                              else ConnectionClosed("the peer closed the connection"))
             return
         self._eof_queued = True
         self._ctrlq.append(_Op(_CTRL, eof, payload=(FrameType.CLOSE, 0)))

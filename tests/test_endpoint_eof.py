@@ -84,3 +84,39 @@ async def test_send_eof_on_closed_endpoint_raises(provider_name: str) -> None:
         ep.abort()
         with pytest.raises(aiordma.ConnectionClosed):
             await ep.send_eof()
+
+
+async def test_peer_closed_with_our_sends_short_of_credits_fails_them(provider_name: str) -> None:
+    """The peer closes without reading: our sends waiting for credits can never go.
+    They fail (like writing to a TCP peer that closed) instead of hanging; what the
+    peer sent before its CLOSE stays readable."""
+    async with pair(provider_name, recv_depth=4) as (ep, srv):
+        await srv.send(b"before close")
+        sends = [asyncio.ensure_future(ep.send(b"x" * 100)) for _ in range(20)]
+        await asyncio.sleep(0.1)
+        await asyncio.wait_for(srv.close(), T)
+        results = await asyncio.wait_for(asyncio.gather(*sends, return_exceptions=True), T)
+        assert any(isinstance(r, aiordma.ConnectionClosed) for r in results)
+        assert not ep.closed  # CLOSE_WAIT: still readable
+        assert await asyncio.wait_for(ep.recv(), T) == b"before close"
+        with pytest.raises(aiordma.ConnectionClosed):
+            await asyncio.wait_for(ep.recv(), T)
+        with pytest.raises(aiordma.ConnectionClosed, match="peer closed"):
+            await ep.send(b"late")
+        with pytest.raises(aiordma.ConnectionClosed):
+            await asyncio.wait_for(ep.send_eof(), T)
+        await asyncio.wait_for(ep.close(), T)  # no CLOSE frame to a dead peer, no wait
+
+
+async def test_peer_closed_we_read_everything_later(provider_name: str) -> None:
+    """Reading what a closed peer sent returns no credits to it (nothing may be posted
+    to its dead QP), so every message is delivered, then EOF."""
+    async with pair(provider_name, recv_depth=16) as (ep, srv):
+        for i in range(14):
+            await ep.send(bytes([i]) * 100)
+        await asyncio.wait_for(ep.close(), T)
+        await asyncio.sleep(0.2)  # the peer is gone before we read
+        for i in range(14):
+            assert await asyncio.wait_for(srv.recv(), T) == bytes([i]) * 100
+        with pytest.raises(aiordma.ConnectionClosed):
+            await asyncio.wait_for(srv.recv(), T)
