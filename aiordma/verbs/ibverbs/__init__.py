@@ -1,0 +1,78 @@
+"""The ``verbs`` provider: real RDMA devices through rdma-core's pyverbs (rdma-core 44..65+).
+
+This package is the only code in aiordma that imports pyverbs, and it does so lazily:
+importing it never fails; without pyverbs, ``PROVIDER.list_devices()``/``open()`` raise
+``DeviceError`` with the install hint. Modules:
+
+* ``provider`` -- the objects of ``verbs/api.py`` on top of pyverbs;
+* ``compat``   -- pure-Python shims for what differs between versions or is missing
+  (unit-tested without pyverbs in ``tests/test_ibverbs_compat.py``);
+* ``native``   -- device async events through libibverbs' C API (ctypes).
+
+Version differences handled
+---------------------------
+* Enums: ``pyverbs.enums`` (flat ``IBV_*`` names) up to rdma-core 49,
+  ``pyverbs.libibverbs_enums`` (``cpdef enum`` classes) from 50 -> ``compat.EnumTable``.
+* ``CompChannel.fd`` exists from rdma-core 57 (``71e7499``); ``Context.context`` returns
+  the ``struct ibv_context *`` as an int only from 61 (before, it casts the C pointer to a
+  Python object and must never be called); no version exposes the context's async fd.
+* ``SendWR``/``RecvWR`` refuse zero SGEs before rdma-core ~50: a zero-length SGE is given
+  and ``num_sge`` set to 0 afterwards. The 44 ``SGE``/``SendWR`` leak their C memory
+  (``__dealloc`` typo): the provider calls ``close()`` on them after posting.
+* ``MR(pd, length, access, address=addr)`` registers caller memory in every version
+  (44 included): ``reg_mr`` passes the address of a ``PinnedBuffer``; the MR never frees it.
+
+How the hidden file descriptors are found
+-----------------------------------------
+The completion channel's fd (``struct ibv_comp_channel {context*, int fd, int refcnt}``)
+before rdma-core 57, and the context's ``async_fd`` (``struct ibv_context {device*,
+ops (32 function pointers), int cmd_fd, int async_fd, int num_comp_vectors, ...}``, an ABI
+that libibverbs keeps stable) in every version, are read from the C structs:
+
+1. The ``struct ibv_context *``: from ``Context.context`` on rdma-core >= 61; otherwise the
+   pyverbs ``Context`` object's own C struct (``id(obj)``, ``type(obj).__basicsize__``
+   bytes, i.e. memory that belongs to the object) is scanned for pointer-sized words, and
+   a word is accepted only if the struct it points to has ``cmd_fd`` equal to pyverbs'
+   ``Context.cmd_fd``, an ``async_fd`` that is an open ``anon_inode:[infinibandevent]``
+   file, and a sane ``num_comp_vectors``; exactly one word must qualify.
+2. Candidate pointers are dereferenced only with ``pread`` on ``/proc/self/mem``, which
+   returns EIO for an unmapped address instead of crashing, so a wrong guess is harmless.
+3. The channel fd (pyverbs < 57) is found the same way in the ``CompChannel`` object: the
+   word whose struct starts with our context pointer and holds an fd that is a verbs event
+   file which appeared in ``/proc/self/fd`` while the channel was being created.
+   If ``/proc/self/mem`` cannot be read, the fd that appeared in ``/proc/self/fd`` during
+   ``ibv_create_comp_channel`` (resp. ``ibv_open_device``) is used when there is exactly
+   one; otherwise opening fails with a clear ``DeviceError`` (nothing is guessed).
+
+Both fds are set O_NONBLOCK (fcntl) at once. pyverbs never releases the GIL, so nothing
+here may block. Events are read through libibverbs' C API with ctypes (``native``):
+``ibv_get_cq_event`` on the channel struct found above (any number of CQs may share a
+channel; the ``cq_context`` of each CQ maps an event back to it) with
+``ibv_ack_cq_events``, and ``ibv_get_async_event``/``ibv_ack_async_event``, which also
+yield the element (QP number, CQ, port) that pyverbs' ``AsyncEvent`` drops. EAGAIN (via
+``use_errno``) means "no event". Async events are acknowledged as soon as they are read;
+a CQ refuses to close while channel events it got are unacknowledged. (The kernel counts
+an event as reported only when it is read, so unread events never make a destroy wait.)
+If the channel struct cannot be located, pyverbs' ``get_cq_event(expected_cq)`` is used
+on the non-blocking fd, EAGAIN being ``PyverbsRDMAError.error_code``; that call needs the
+CQ in advance, so such a channel serves a single CQ.
+
+Other choices
+-------------
+* Queue-full is refused by the provider's own accounting (``compat.WorkQueues``) before
+  pyverbs is called, as is every malformed WR the device would refuse (SGE count, inline
+  length, atomic operand and alignment), so a refused chain was never partly posted.
+* Immediate data: the integer the user passes is put on the wire in network byte order
+  (``htonl``) and converted back on receipt (``ntohl``): both sides see the same value,
+  as with the ``soft`` provider, and C peers using ``htonl``/``ntohl`` agree.
+* GID for an IP address (RoCE): the IPv4-mapped GID of type "RoCE v2" (sysfs
+  ``gid_attrs/types``); ``AIORDMA_GID_INDEX`` overrides; InfiniBand uses LID addressing.
+"""
+
+from __future__ import annotations
+
+from .provider import IbverbsProvider
+
+PROVIDER = IbverbsProvider()
+
+__all__ = ["PROVIDER", "IbverbsProvider"]

@@ -1,0 +1,624 @@
+"""Pure-Python shims of the ``verbs`` provider (no pyverbs import here).
+
+Everything that differs between pyverbs/rdma-core versions, or that pyverbs does not
+expose, is isolated here so that it can be unit-tested without RDMA hardware:
+
+* the enum module (``pyverbs.enums`` up to rdma-core 49, ``pyverbs.libibverbs_enums``
+  from 50; flat ``IBV_*`` names or ``cpdef enum`` classes) -> ``EnumTable``;
+* the errno of a pyverbs exception -> ``errno_of``;
+* the file descriptors pyverbs hides (completion channel before rdma-core 57, the
+  context's async fd in every version) -> ``object_words``, ``find_context_pointer``,
+  ``find_channel``, ``event_fds``/``new_event_fd``, ``ProcSelfMem`` (see the package
+  docstring for the method and why it is safe);
+* immediate data byte order, work-completion conversion -> ``imm_to_wire``,
+  ``imm_from_wire``, ``convert_wc``;
+* GID selection for an IP address from sysfs -> ``read_sysfs_gids``, ``select_gid_index``;
+* the send/receive queue accounting that lets a chain be refused whole -> ``WorkQueues``.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import dataclasses
+import errno
+import importlib
+import ipaddress
+import os
+import re
+import socket
+import struct
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from ...errors import DeviceError
+from ..enums import WCOpcode, WCStatus
+from ..wr import WC
+
+# ----------------------------------------------------------------------------------------
+# rdma-core ABI constants (libibverbs/verbs.h; stable since libibverbs 1.1)
+# ----------------------------------------------------------------------------------------
+
+#: Fallback values of the enum names the provider uses (used only if a pyverbs build
+#: lacks one; each equals the C enum value).
+ABI_ENUMS: dict[str, int] = {
+    "IBV_QPT_RC": 2,
+    "IBV_QP_STATE": 1 << 0,
+    "IBV_QP_CUR_STATE": 1 << 1,
+    "IBV_QP_ACCESS_FLAGS": 1 << 3,
+    "IBV_QP_PKEY_INDEX": 1 << 4,
+    "IBV_QP_PORT": 1 << 5,
+    "IBV_QP_AV": 1 << 7,
+    "IBV_QP_PATH_MTU": 1 << 8,
+    "IBV_QP_TIMEOUT": 1 << 9,
+    "IBV_QP_RETRY_CNT": 1 << 10,
+    "IBV_QP_RNR_RETRY": 1 << 11,
+    "IBV_QP_RQ_PSN": 1 << 12,
+    "IBV_QP_MAX_QP_RD_ATOMIC": 1 << 13,
+    "IBV_QP_MIN_RNR_TIMER": 1 << 15,
+    "IBV_QP_SQ_PSN": 1 << 16,
+    "IBV_QP_MAX_DEST_RD_ATOMIC": 1 << 17,
+    "IBV_QP_DEST_QPN": 1 << 20,
+    "IBV_LINK_LAYER_UNSPECIFIED": 0,
+    "IBV_LINK_LAYER_INFINIBAND": 1,
+    "IBV_LINK_LAYER_ETHERNET": 2,
+}
+
+#: ``struct ibv_context``: ``device`` (8 bytes), ``ops`` (32 function pointers), then
+#: ``int cmd_fd; int async_fd; int num_comp_vectors``.
+CTX_CMD_FD_OFFSET = 8 + 32 * 8
+CTX_ASYNC_FD_OFFSET = CTX_CMD_FD_OFFSET + 4
+CTX_NUM_COMP_VECTORS_OFFSET = CTX_CMD_FD_OFFSET + 8
+CTX_PROBE_SIZE = CTX_NUM_COMP_VECTORS_OFFSET + 4
+#: ``struct ibv_comp_channel {struct ibv_context *context; int fd; int refcnt;}``
+CHANNEL_FD_OFFSET = 8
+CHANNEL_SIZE = 16
+#: ``struct ibv_qp``: six pointers, ``uint32_t handle``, ``uint32_t qp_num``.
+QP_QP_NUM_OFFSET = 6 * 8 + 4
+#: ``struct ibv_cq``: ``context``, ``channel``, ``void *cq_context``.
+CQ_CQ_CONTEXT_OFFSET = 2 * 8
+
+_WORD = struct.Struct("=Q")
+_INT = struct.Struct("=i")
+_PTR_MIN = 0x10000
+_PTR_MAX = 1 << 56  # canonical user-space addresses (x86-64 5-level paging: 2**56)
+
+# ----------------------------------------------------------------------------------------
+# enums
+# ----------------------------------------------------------------------------------------
+
+ENUM_MODULES = ("pyverbs.libibverbs_enums", "pyverbs.enums")
+
+
+class EnumTable:
+    """``IBV_*`` name -> int, from a pyverbs enum module of any version.
+
+    rdma-core < 50 exposes flat module attributes (``e.IBV_QPT_RC``); from 50 the module is
+    built from ``cpdef enum`` declarations, whose members live in enum classes
+    (``ibv_qp_type.IBV_QPT_RC``) and, depending on the Cython version, also at module
+    level. Both are collected; ``ABI_ENUMS`` fills any gap.
+    """
+
+    def __init__(self, module: Any | None, fallback: Mapping[str, int] = ABI_ENUMS) -> None:
+        table: dict[str, int] = dict(fallback)
+        self.source = getattr(module, "__name__", "builtin")
+        if module is not None:
+            for attr in dir(module):
+                try:
+                    val = getattr(module, attr)
+                except Exception:  # pragma: no cover - exotic module attribute
+                    continue
+                if attr.startswith("IBV_") and isinstance(val, int):
+                    table[attr] = int(val)
+                elif isinstance(val, type) and attr.startswith("ibv_"):
+                    for name in dir(val):
+                        if not name.startswith("IBV_"):
+                            continue
+                        try:
+                            table.setdefault(name, int(getattr(val, name)))
+                        except (TypeError, ValueError):
+                            continue
+        self._table = table
+
+    def __getitem__(self, name: str) -> int:
+        return self._table[name]
+
+    def get(self, name: str, default: int | None = None) -> int | None:
+        return self._table.get(name, default)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._table
+
+
+def import_enums(importer: Callable[[str], Any] = importlib.import_module) -> EnumTable:
+    """The enum table of the installed pyverbs (``libibverbs_enums`` first, then ``enums``)."""
+    errors = []
+    for name in ENUM_MODULES:
+        try:
+            mod = importer(name)
+        except ImportError as exc:
+            errors.append(f"{name}: {exc}")
+            continue
+        table = EnumTable(mod)
+        if table.source == "builtin":
+            table.source = name
+        return table
+    raise ImportError("no pyverbs enum module found (" + "; ".join(errors) + ")")
+
+
+def parse_version(text: object) -> tuple[int, ...] | None:
+    """``"65.0"`` -> ``(65, 0)``; None when absent or unparsable."""
+    if not isinstance(text, str):
+        return None
+    m = re.match(r"(\d+)(?:\.(\d+))?", text)
+    if not m:
+        return None
+    return tuple(int(g) for g in m.groups() if g is not None)
+
+
+# ----------------------------------------------------------------------------------------
+# errors
+# ----------------------------------------------------------------------------------------
+
+_ERRNO_RE = re.compile(r"Errno: (\d+)")
+
+
+def errno_of(exc: BaseException, default: int = errno.EINVAL) -> int:
+    """The errno of a pyverbs exception (``error_code``, else ``Errno: N`` in the text)."""
+    code = getattr(exc, "error_code", None)
+    if isinstance(code, int) and code > 0:
+        return code
+    if isinstance(code, int) and code < -1:  # some calls pass a negative errno
+        return -code
+    m = _ERRNO_RE.search(str(exc))
+    if m:
+        return int(m.group(1))
+    return default
+
+
+# ----------------------------------------------------------------------------------------
+# file descriptors
+# ----------------------------------------------------------------------------------------
+
+PROC_SELF_FD = "/proc/self/fd"
+
+
+def set_nonblocking(fd: int) -> None:
+    """Set O_NONBLOCK on ``fd`` (fcntl F_SETFL)."""
+    os.set_blocking(fd, False)
+
+
+def is_event_fd_target(target: str) -> bool:
+    """True for the ``/proc/self/fd`` link target of a verbs event file.
+
+    Completion channels and the context's async event file are anonymous inodes named
+    ``[infinibandevent]`` by the kernel's uverbs driver.
+    """
+    return target.startswith("anon_inode:") and "infiniband" in target
+
+
+def fd_target(fd: int, proc_fd: str = PROC_SELF_FD) -> str | None:
+    try:
+        return os.readlink(f"{proc_fd}/{fd}")
+    except OSError:
+        return None
+
+
+def is_event_fd(fd: int, proc_fd: str = PROC_SELF_FD) -> bool:
+    target = fd_target(fd, proc_fd)
+    return target is not None and is_event_fd_target(target)
+
+
+def event_fds(proc_fd: str = PROC_SELF_FD) -> dict[int, str]:
+    """``{fd: link target}`` of the verbs event files open in this process."""
+    out: dict[int, str] = {}
+    try:
+        names = os.listdir(proc_fd)
+    except OSError:
+        return out
+    for name in names:
+        if not name.isdigit():
+            continue
+        target = fd_target(int(name), proc_fd)
+        if target is not None and is_event_fd_target(target):
+            out[int(name)] = target
+    return out
+
+
+def new_event_fd(before: Mapping[int, str], after: Mapping[int, str]) -> int | None:
+    """The single event fd present in ``after`` but not in ``before`` (None if not one)."""
+    new = [fd for fd, target in after.items() if before.get(fd) != target]
+    return new[0] if len(new) == 1 else None
+
+
+class ProcSelfMem:
+    """Fault-free reads of this process's memory through ``/proc/self/mem``.
+
+    A read of an unmapped address fails with EIO/EFAULT instead of crashing the process,
+    which makes it safe to test whether a word of a pyverbs object is a pointer to a
+    given libibverbs struct.
+    """
+
+    def __init__(self, path: str = "/proc/self/mem") -> None:
+        self._path = path
+        self._fd: int | None = None
+
+    def read(self, addr: int, size: int) -> bytes | None:
+        if not _PTR_MIN <= addr < _PTR_MAX:
+            return None
+        try:
+            if self._fd is None:
+                self._fd = os.open(self._path, os.O_RDONLY | os.O_CLOEXEC)
+            data = os.pread(self._fd, size, addr)
+        except (OSError, OverflowError, ValueError):
+            return None
+        return data if len(data) == size else None
+
+    def close(self) -> None:
+        if self._fd is not None:
+            try:
+                os.close(self._fd)
+            except OSError:  # pragma: no cover
+                pass
+            self._fd = None
+
+
+MemRead = Callable[[int, int], "bytes | None"]
+FdCheck = Callable[[int], bool]
+
+
+def object_words(obj: object) -> list[int]:
+    """The pointer-aligned words of a (Cython) object's own C struct, after the header.
+
+    Reads ``type(obj).__basicsize__`` bytes at ``id(obj)``: the object's own allocation,
+    so this never touches foreign memory.
+    """
+    size = type(obj).__basicsize__
+    raw = ctypes.string_at(id(obj), size)
+    start = 2 * _WORD.size  # ob_refcnt, ob_type
+    return [_WORD.unpack_from(raw, off)[0] for off in range(start, size - _WORD.size + 1,
+                                                            _WORD.size)]
+
+
+def plausible_pointer(word: int) -> bool:
+    return _PTR_MIN <= word < _PTR_MAX and word % 8 == 0
+
+
+def find_context_pointer(words: Iterable[int], cmd_fd: int, read: MemRead,
+                         fd_ok: FdCheck) -> int | None:
+    """The ``struct ibv_context *`` among ``words`` (the fields of a pyverbs Context).
+
+    A candidate qualifies when the struct it points to holds ``cmd_fd`` (which pyverbs
+    exposes as ``Context.cmd_fd``), an ``async_fd`` that is an open verbs event file, and
+    a sane ``num_comp_vectors``. Exactly one candidate must qualify.
+    """
+    found: list[int] = []
+    for w in dict.fromkeys(words):
+        if not plausible_pointer(w):
+            continue
+        raw = read(w, CTX_PROBE_SIZE)
+        if raw is None:
+            continue
+        cfd = _INT.unpack_from(raw, CTX_CMD_FD_OFFSET)[0]
+        afd = _INT.unpack_from(raw, CTX_ASYNC_FD_OFFSET)[0]
+        ncv = _INT.unpack_from(raw, CTX_NUM_COMP_VECTORS_OFFSET)[0]
+        if cfd == cmd_fd and afd >= 0 and afd != cfd and 0 < ncv <= 65536 and fd_ok(afd):
+            found.append(w)
+    return found[0] if len(found) == 1 else None
+
+
+def find_channel(words: Iterable[int], ctx_ptr: int, read: MemRead, fd_ok: FdCheck, *,
+                 fd: int | None = None,
+                 candidates: Iterable[int] | None = None) -> tuple[int, int] | None:
+    """``(pointer, fd)`` of the ``struct ibv_comp_channel`` one of ``words`` points to.
+
+    The struct must start with ``ctx_ptr`` and hold an fd that is an open verbs event
+    file; equal to ``fd`` when it is known (pyverbs >= 57), else one of ``candidates`` (the
+    event fds that appeared while the channel was created) when given. Exactly one
+    pointer must qualify.
+    """
+    allowed = None if candidates is None else set(candidates)
+    found: list[tuple[int, int]] = []
+    for w in dict.fromkeys(words):
+        if not plausible_pointer(w):
+            continue
+        raw = read(w, CHANNEL_SIZE)
+        if raw is None:
+            continue
+        owner = _WORD.unpack_from(raw, 0)[0]
+        cfd = _INT.unpack_from(raw, CHANNEL_FD_OFFSET)[0]
+        if owner != ctx_ptr or cfd < 0:
+            continue
+        if fd is not None and cfd != fd:
+            continue
+        if allowed is not None and cfd not in allowed:
+            continue
+        if fd_ok(cfd):
+            found.append((w, cfd))
+    return found[0] if len(found) == 1 else None
+
+
+# ----------------------------------------------------------------------------------------
+# immediate data and work completions
+# ----------------------------------------------------------------------------------------
+
+
+def imm_to_wire(value: int) -> int:
+    """The ``ibv_send_wr.imm_data`` field (``__be32``) for the integer the user passed.
+
+    pyverbs stores the Python int into the big-endian field as is, so the host-order
+    integer is byte-swapped here (``htonl``): the wire then carries the value in network
+    byte order, as C programs using ``htonl(imm)`` expect, on any host.
+    """
+    return socket.htonl(value & 0xFFFFFFFF)
+
+
+def imm_from_wire(raw: int) -> int:
+    """The integer the sender passed, from ``ibv_wc.imm_data`` (``ntohl``)."""
+    return socket.ntohl(raw & 0xFFFFFFFF)
+
+
+_STATUS = {int(s): s for s in WCStatus}
+_OPCODE = {int(o): o for o in WCOpcode}
+WC_FLAG_WITH_IMM = 2
+
+
+def to_status(value: int) -> WCStatus:
+    """ibv_wc_status int -> WCStatus (unknown values become GENERAL_ERR)."""
+    return _STATUS.get(int(value), WCStatus.GENERAL_ERR)
+
+
+def to_wc_opcode(value: int, hint: WCOpcode | None = None) -> WCOpcode:
+    """ibv_wc_opcode int -> WCOpcode; ``hint`` for values outside our enum."""
+    op = _OPCODE.get(int(value))
+    if op is not None:
+        return op
+    if hint is not None:
+        return hint
+    return WCOpcode.RECV if int(value) & 0x80 else WCOpcode.SEND
+
+
+def convert_wc(pwc: Any, opcode_hint: WCOpcode | None = None) -> WC:
+    """A pyverbs ``WC`` (or anything with its attributes) -> our ``WC``.
+
+    For an error status the hardware opcode is undefined, so ``opcode_hint`` (what the
+    provider knows of the work request) wins when given.
+    """
+    status = to_status(pwc.status)
+    flags = int(pwc.wc_flags)
+    if status != WCStatus.SUCCESS and opcode_hint is not None:
+        opcode = opcode_hint
+    else:
+        opcode = to_wc_opcode(pwc.opcode, opcode_hint)
+    return WC(
+        int(pwc.wr_id),
+        status,
+        opcode,
+        int(pwc.byte_len),
+        vendor_err=int(pwc.vendor_err),
+        imm_data=imm_from_wire(int(pwc.imm_data)) if flags & WC_FLAG_WITH_IMM else 0,
+        qp_num=int(pwc.qp_num),
+        src_qp=int(pwc.src_qp),
+        wc_flags=flags,
+    )
+
+
+# ----------------------------------------------------------------------------------------
+# GIDs
+# ----------------------------------------------------------------------------------------
+
+SYSFS_INFINIBAND = "/sys/class/infiniband"
+ROCE_V2 = "RoCE v2"
+_V4_MAPPED = b"\0" * 10 + b"\xff\xff"
+ZERO_GID = b"\0" * 16
+
+
+@dataclasses.dataclass(frozen=True)
+class GidEntry:
+    index: int
+    gid: bytes
+    gid_type: str | None = None  # "RoCE v2", "IB/RoCE v1", or None when unknown
+
+
+def gid_from_str(text: str) -> bytes:
+    """``"0000:...:0a00:020f"`` (sysfs / pyverbs ``str(GID)``) -> 16 bytes."""
+    raw = bytes.fromhex(text.strip().replace(":", ""))
+    if len(raw) != 16:
+        raise ValueError(f"not a GID: {text!r}")
+    return raw
+
+
+def gid_for_ip(ip: str) -> bytes:
+    """The GID of an IP address: IPv4-mapped IPv6 for IPv4, the address for IPv6."""
+    a = ipaddress.ip_address(ip)
+    if isinstance(a, ipaddress.IPv4Address):
+        return _V4_MAPPED + a.packed
+    return a.packed
+
+
+def format_gid(gid: bytes) -> str:
+    """A readable GID: the IPv4 address for an IPv4-mapped GID, else IPv6 notation."""
+    if gid[:12] == _V4_MAPPED:
+        return socket.inet_ntoa(gid[12:])
+    return str(ipaddress.IPv6Address(gid))
+
+
+def read_sysfs_gids(dev: str, port: int, root: str = SYSFS_INFINIBAND) -> list[GidEntry] | None:
+    """The non-zero GIDs of ``dev`` port ``port`` with their types, or None without sysfs."""
+    base = os.path.join(root, dev, "ports", str(port))
+    gdir = os.path.join(base, "gids")
+    try:
+        names = os.listdir(gdir)
+    except OSError:
+        return None
+    out: list[GidEntry] = []
+    for name in sorted((n for n in names if n.isdigit()), key=int):
+        try:
+            with open(os.path.join(gdir, name)) as f:
+                gid = gid_from_str(f.read())
+        except (OSError, ValueError):
+            continue
+        if gid == ZERO_GID:
+            continue
+        gtype: str | None
+        try:
+            with open(os.path.join(base, "gid_attrs", "types", name)) as f:
+                gtype = f.read().strip() or None
+        except OSError:
+            gtype = None
+        out.append(GidEntry(int(name), gid, gtype))
+    return out
+
+
+def gid_index_override(env: Mapping[str, str] | None = None) -> int | None:
+    """``AIORDMA_GID_INDEX`` as an int, None when unset; DeviceError when malformed."""
+    env = os.environ if env is None else env
+    text = env.get("AIORDMA_GID_INDEX", "").strip()
+    if not text:
+        return None
+    try:
+        idx = int(text)
+    except ValueError:
+        raise DeviceError(errno.EINVAL, f"AIORDMA_GID_INDEX={text!r} is not an integer") from None
+    if idx < 0:
+        raise DeviceError(errno.EINVAL, f"AIORDMA_GID_INDEX={idx} is negative")
+    return idx
+
+
+def _is_loopback_or_any(ip: str) -> bool:
+    a = ipaddress.ip_address(ip)
+    return a.is_loopback or a.is_unspecified
+
+
+def select_gid_index(entries: list[GidEntry], ip: str, *, dev: str = "?", port: int = 1,
+                     env: Mapping[str, str] | None = None) -> int:
+    """The GID index for ``ip`` (RoCE): the IPv4-mapped (or IPv6) GID of that address.
+
+    Preference: ``AIORDMA_GID_INDEX`` if set; a matching GID of type RoCE v2; a matching
+    GID of unknown type; any matching GID. A loopback or wildcard address (the peer is
+    on this host) takes the first RoCE v2 IPv4 GID, else the first IPv4 GID. Raises
+    DeviceError naming the device, the port and the GIDs it has when nothing matches.
+    """
+    override = gid_index_override(env)
+    if override is not None:
+        return override
+    try:
+        want = gid_for_ip(ip)
+    except ValueError:
+        raise DeviceError(errno.EINVAL, f"{ip!r} is not an IP address") from None
+
+    def rank(e: GidEntry) -> int:
+        if e.gid_type == ROCE_V2:
+            return 0
+        if e.gid_type is None:
+            return 1
+        return 2
+
+    matching = sorted((e for e in entries if e.gid == want), key=lambda e: (rank(e), e.index))
+    if matching:
+        return matching[0].index
+    if _is_loopback_or_any(ip):
+        v4 = sorted((e for e in entries if e.gid[:12] == _V4_MAPPED),
+                    key=lambda e: (rank(e), e.index))
+        if v4:
+            return v4[0].index
+    have = ", ".join(f"{e.index}={format_gid(e.gid)}" + (f" ({e.gid_type})" if e.gid_type else "")
+                     for e in entries) or "none"
+    raise DeviceError(
+        errno.ENODEV,
+        f"no GID on {dev} port {port} matches {ip}; GIDs: {have} "
+        f"(use the address of the interface {dev} is bound to, or set AIORDMA_GID_INDEX)",
+    )
+
+
+# ----------------------------------------------------------------------------------------
+# queue accounting
+# ----------------------------------------------------------------------------------------
+
+
+class _SendEntry:
+    __slots__ = ("wr_id", "signaled", "opcode")
+
+    def __init__(self, wr_id: int, signaled: bool, opcode: WCOpcode) -> None:
+        self.wr_id = wr_id
+        self.signaled = signaled
+        self.opcode = opcode
+
+
+class WorkQueues:
+    """Outstanding send and receive WRs of one QP, counted the way hardware counts them.
+
+    A send-queue slot is held from posting until the completion of that WR, or of a later
+    signaled WR of the same QP, has been polled (unsignaled WRs that succeed produce no
+    completion; their slots come free with the next polled signaled completion). A receive
+    slot is held until its completion is polled. ``post_*`` are called only after the whole
+    chain was accepted, so a chain that does not fit is refused before pyverbs sees it.
+    """
+
+    __slots__ = ("sq", "rq", "max_send", "max_recv")
+
+    def __init__(self, max_send: int, max_recv: int) -> None:
+        self.sq: collections.deque[_SendEntry] = collections.deque()
+        self.rq: collections.deque[int] = collections.deque()
+        self.max_send = max_send
+        self.max_recv = max_recv
+
+    def send_room(self) -> int:
+        return self.max_send - len(self.sq)
+
+    def recv_room(self) -> int:
+        return self.max_recv - len(self.rq)
+
+    def posted_send(self, entries: Iterable[tuple[int, bool, WCOpcode]]) -> None:
+        self.sq.extend(_SendEntry(w, s, o) for w, s, o in entries)
+
+    def posted_recv(self, wr_ids: Iterable[int]) -> None:
+        self.rq.extend(wr_ids)
+
+    def reset(self) -> None:
+        self.sq.clear()
+        self.rq.clear()
+
+    def _sq_index(self, wr_id: int, signaled_only: bool) -> int | None:
+        for i, e in enumerate(self.sq):
+            if e.wr_id == wr_id and (e.signaled or not signaled_only):
+                return i
+        return None
+
+    def completed(self, wr_id: int, success: bool, raw_opcode: int, send_side: bool,
+                  recv_side: bool) -> WCOpcode | None:
+        """Account for a polled completion; returns the opcode the WR had (best knowledge).
+
+        ``send_side``/``recv_side``: whether the CQ it was polled from is this QP's send CQ
+        and/or receive CQ. On a shared CQ a successful completion is placed by its opcode,
+        an error one (opcode undefined) by its wr_id.
+        """
+        if send_side and recv_side:
+            if success:
+                side_recv = bool(raw_opcode & 0x80)
+            else:
+                in_sq = self._sq_index(wr_id, False) is not None
+                rq_head = bool(self.rq) and self.rq[0] == wr_id
+                if rq_head and not in_sq:
+                    side_recv = True
+                elif in_sq and not rq_head:
+                    side_recv = False
+                elif in_sq and rq_head:
+                    side_recv = bool(raw_opcode & 0x80)
+                else:
+                    return None
+        else:
+            side_recv = recv_side
+        if side_recv:
+            if self.rq:
+                self.rq.popleft()
+            return WCOpcode.RECV
+        idx = self._sq_index(wr_id, success)
+        if idx is None and success:  # wr_id reused or unknown: the oldest signaled one
+            idx = next((i for i, e in enumerate(self.sq) if e.signaled), None)
+        if idx is None:
+            return None
+        op = self.sq[idx].opcode
+        for _ in range(idx + 1):
+            self.sq.popleft()
+        return op

@@ -1,0 +1,150 @@
+"""Event reading through libibverbs itself (ctypes), where pyverbs falls short.
+
+* pyverbs' ``Context.get_async_event`` loses the event's element (which QP, CQ or port
+  it is about) and reports a failed non-blocking read with error code -1, not EAGAIN.
+* pyverbs' ``CompChannel.get_cq_event(expected_cq)`` must be told the CQ in advance and
+  loses an event that is for another CQ of the same channel.
+
+The C API involved is tiny and ABI-stable, so this module calls ``ibv_get_async_event``/
+``ibv_ack_async_event`` and ``ibv_get_cq_event``/``ibv_ack_cq_events`` of the libibverbs
+that pyverbs already loaded (same process, same structs), with ``use_errno`` so that EAGAIN
+is seen. ctypes releases the GIL around each call; the fds are non-blocking anyway. CQ
+events read here are acknowledged here too, so pyverbs' own per-CQ event counter stays 0
+and its ``CQ.close()`` acknowledges nothing twice.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import logging
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from . import compat
+
+log = logging.getLogger("aiordma.verbs")
+
+T = TypeVar("T")
+
+
+class IbvAsyncEvent(ctypes.Structure):
+    """``struct ibv_async_event {union {cq*, qp*, srq*, wq*, int port_num} element;
+    enum ibv_event_type event_type;}``; the union is read as one pointer-sized word."""
+
+    _fields_ = [("element", ctypes.c_void_p), ("event_type", ctypes.c_int)]
+
+
+_lib: Any = None
+_lib_error: str | None = None
+
+
+def libibverbs() -> Any:
+    """The process's libibverbs (``libibverbs.so.1``), or None if it cannot be loaded."""
+    global _lib, _lib_error
+    if _lib is None and _lib_error is None:
+        names = ["libibverbs.so.1"]
+        found = ctypes.util.find_library("ibverbs")
+        if found and found not in names:
+            names.append(found)
+        for name in names:
+            try:
+                lib = ctypes.CDLL(name, use_errno=True)
+                lib.ibv_get_async_event.argtypes = [ctypes.c_void_p,
+                                                    ctypes.POINTER(IbvAsyncEvent)]
+                lib.ibv_get_async_event.restype = ctypes.c_int
+                lib.ibv_ack_async_event.argtypes = [ctypes.POINTER(IbvAsyncEvent)]
+                lib.ibv_ack_async_event.restype = None
+                lib.ibv_get_cq_event.argtypes = [ctypes.c_void_p,
+                                                 ctypes.POINTER(ctypes.c_void_p),
+                                                 ctypes.POINTER(ctypes.c_void_p)]
+                lib.ibv_get_cq_event.restype = ctypes.c_int
+                lib.ibv_ack_cq_events.argtypes = [ctypes.c_void_p, ctypes.c_uint]
+                lib.ibv_ack_cq_events.restype = None
+            except (OSError, AttributeError) as exc:
+                _lib_error = f"{name}: {exc}"
+                continue
+            _lib = lib
+            _lib_error = None
+            break
+    return _lib
+
+
+def element_port(element: int | None) -> int:
+    """The ``port_num`` member of the element union (the low 32 bits, little-endian)."""
+    return ctypes.c_int.from_buffer_copy(ctypes.c_void_p(element or 0)).value
+
+
+def qp_num_of(qp_ptr: int) -> int:
+    """``((struct ibv_qp *)qp_ptr)->qp_num`` (valid while the event is unacknowledged)."""
+    return ctypes.c_uint32.from_address(qp_ptr + compat.QP_QP_NUM_OFFSET).value
+
+
+def cq_context_of(cq_ptr: int) -> int:
+    """``((struct ibv_cq *)cq_ptr)->cq_context`` (valid while the event is unacknowledged)."""
+    return ctypes.c_void_p.from_address(cq_ptr + compat.CQ_CQ_CONTEXT_OFFSET).value or 0
+
+
+class AsyncReader:
+    """Reads and acknowledges the async events of one ``struct ibv_context``."""
+
+    def __init__(self, lib: Any, ctx_ptr: int) -> None:
+        self._lib = lib
+        self._ctx = ctypes.c_void_p(ctx_ptr)
+
+    def drain(self, convert: Callable[[int, int], T | None]) -> list[T]:
+        """Read every queued event, ``convert(event_type, element)`` it, ack it.
+
+        Stops at EAGAIN (the fd is non-blocking). ``convert`` runs before the ack, while
+        the QP/CQ the element points to is guaranteed to exist.
+        """
+        out: list[T] = []
+        ev = IbvAsyncEvent()
+        while True:
+            rc = self._lib.ibv_get_async_event(self._ctx, ctypes.byref(ev))
+            if rc != 0:
+                err = ctypes.get_errno()
+                if err == errno.EINTR:
+                    continue
+                if err not in (errno.EAGAIN, errno.EWOULDBLOCK):
+                    log.warning("aiordma: ibv_get_async_event failed: %s", errno.errorcode.get(
+                        err, err))
+                return out
+            try:
+                item = convert(int(ev.event_type), int(ev.element or 0))
+            finally:
+                self._lib.ibv_ack_async_event(ctypes.byref(ev))
+            if item is not None:
+                out.append(item)
+
+
+class ChannelReader:
+    """Reads the events of one ``struct ibv_comp_channel`` and acknowledges CQ events."""
+
+    def __init__(self, lib: Any, channel_ptr: int) -> None:
+        self._lib = lib
+        self._ch = ctypes.c_void_p(channel_ptr)
+        self._cq = ctypes.c_void_p()
+        self._ctx = ctypes.c_void_p()
+
+    def get(self) -> tuple[int, int] | None:
+        """``(struct ibv_cq *, cq_context)`` of the next event; None when none is queued.
+
+        Raises OSError for a failure other than EAGAIN.
+        """
+        while True:
+            rc = self._lib.ibv_get_cq_event(self._ch, ctypes.byref(self._cq),
+                                            ctypes.byref(self._ctx))
+            if rc == 0:
+                return int(self._cq.value or 0), int(self._ctx.value or 0)
+            err = ctypes.get_errno()
+            if err == errno.EINTR:
+                continue
+            if err in (errno.EAGAIN, errno.EWOULDBLOCK):
+                return None
+            raise OSError(err, f"ibv_get_cq_event: {errno.errorcode.get(err, err)}")
+
+    def ack(self, cq_ptr: int, n: int) -> None:
+        """``ibv_ack_cq_events(cq, n)``."""
+        self._lib.ibv_ack_cq_events(ctypes.c_void_p(cq_ptr), n)

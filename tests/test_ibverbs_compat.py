@@ -1,0 +1,1100 @@
+"""Unit tests of the ``verbs`` provider's compatibility shims, without pyverbs.
+
+``aiordma.verbs.ibverbs.compat`` and ``native`` are pure Python / ctypes; the provider
+objects are exercised against a small fake of the pyverbs API (the parts the provider
+calls, with the behaviour of rdma-core 44 and 65 where they differ). The real thing runs
+in the Soft-RoCE VM (tests/rxe/).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import errno
+import mmap
+import os
+import socket
+import struct
+import sys
+import types
+from collections import deque
+from typing import Any
+
+import pytest
+
+from aiordma.errors import (
+    CQOverrunError,
+    DeviceError,
+    PostError,
+    RDMAError,
+    RegistrationError,
+)
+from aiordma.verbs import (
+    MTU,
+    SGE,
+    Access,
+    AHAttr,
+    EventType,
+    QPAttr,
+    QPCap,
+    QPState,
+    RecvWR,
+    SendFlags,
+    SendWR,
+    WCFlags,
+    WCOpcode,
+    WCStatus,
+    WROpcode,
+)
+from aiordma.verbs.ibverbs import compat, native, provider
+
+# ----------------------------------------------------------------------------------------
+# enums, versions, errors
+# ----------------------------------------------------------------------------------------
+
+
+def _importer(mods: dict[str, Any]) -> Any:
+    def imp(name: str) -> Any:
+        if name not in mods:
+            raise ImportError(f"No module named {name!r}")
+        return mods[name]
+    return imp
+
+
+def test_enums_from_rdma_core_44_flat_module() -> None:
+    old = types.ModuleType("pyverbs.enums")
+    old.IBV_QPT_RC = 2  # type: ignore[attr-defined]
+    old.IBV_QP_STATE = 1  # type: ignore[attr-defined]
+    old.IBV_WR_SEND = 2  # type: ignore[attr-defined]
+    table = compat.import_enums(_importer({"pyverbs.enums": old}))
+    assert table.source == "pyverbs.enums"
+    assert table["IBV_QPT_RC"] == 2 and table["IBV_WR_SEND"] == 2
+    assert table["IBV_QP_DEST_QPN"] == 1 << 20  # ABI fallback fills the gap
+
+
+def test_enums_from_libibverbs_enums_classes_preferred() -> None:
+    new = types.ModuleType("pyverbs.libibverbs_enums")
+
+    class ibv_qp_type(enum.IntEnum):  # noqa: N801 - pyverbs' names
+        IBV_QPT_RC = 2
+        IBV_QPT_UD = 4
+
+    class ibv_qp_attr_mask(enum.IntFlag):  # noqa: N801
+        IBV_QP_STATE = 1
+        IBV_QP_AV = 128
+
+    new.ibv_qp_type = ibv_qp_type  # type: ignore[attr-defined]
+    new.ibv_qp_attr_mask = ibv_qp_attr_mask  # type: ignore[attr-defined]
+    old = types.ModuleType("pyverbs.enums")
+    old.IBV_QPT_RC = 99  # type: ignore[attr-defined]  # must not be used
+    table = compat.import_enums(_importer({"pyverbs.libibverbs_enums": new,
+                                           "pyverbs.enums": old}))
+    assert table.source == "pyverbs.libibverbs_enums"
+    assert table["IBV_QPT_RC"] == 2 and table["IBV_QPT_UD"] == 4
+    assert table["IBV_QP_AV"] == 128
+    assert "IBV_QPT_RC" in table and table.get("IBV_NOPE") is None
+
+
+def test_enums_missing() -> None:
+    with pytest.raises(ImportError, match="no pyverbs enum module"):
+        compat.import_enums(_importer({}))
+
+
+def test_parse_version() -> None:
+    assert compat.parse_version("65.0") == (65, 0)
+    assert compat.parse_version("44") == (44,)
+    assert compat.parse_version(None) is None
+    assert compat.parse_version("dev") is None
+
+
+class FakePyverbsError(Exception):
+    """Like pyverbs' PyverbsRDMAError: message gets 'Errno: N, text' when a code is given."""
+
+    def __init__(self, msg: str, error_code: int = -1) -> None:
+        if error_code != -1:
+            msg = f"{msg}. Errno: {error_code}, {os.strerror(error_code)}"
+        super().__init__(msg)
+        self.error_code = error_code
+
+
+def test_errno_of() -> None:
+    assert compat.errno_of(FakePyverbsError("x", errno.EAGAIN)) == errno.EAGAIN
+    assert compat.errno_of(FakePyverbsError("x", -errno.ENOMEM)) == errno.ENOMEM
+    assert compat.errno_of(FakePyverbsError("x")) == errno.EINVAL  # -1: unknown
+    assert compat.errno_of(FakePyverbsError("x"), 0) == 0
+    assert compat.errno_of(RuntimeError("Failed. Errno: 12, Cannot allocate memory")) == 12
+
+
+# ----------------------------------------------------------------------------------------
+# fd discovery
+# ----------------------------------------------------------------------------------------
+
+
+def _fake_proc_fd(tmp_path: Any, links: dict[int, str]) -> str:
+    d = tmp_path / "fd"
+    d.mkdir(exist_ok=True)
+    for p in d.iterdir():
+        p.unlink()
+    for fd, target in links.items():
+        os.symlink(target, d / str(fd))
+    return str(d)
+
+
+def test_event_fds_and_new_event_fd(tmp_path: Any) -> None:
+    ev = "anon_inode:[infinibandevent]"
+    proc = _fake_proc_fd(tmp_path, {0: "/dev/null", 3: "/dev/infiniband/uverbs0", 4: ev,
+                                    5: "socket:[123]", 6: "anon_inode:[eventfd]"})
+    before = compat.event_fds(proc)
+    assert before == {4: ev}
+    proc = _fake_proc_fd(tmp_path, {0: "/dev/null", 3: "/dev/infiniband/uverbs0", 4: ev,
+                                    5: "socket:[123]", 7: ev})
+    after = compat.event_fds(proc)
+    assert compat.new_event_fd(before, after) == 7
+    assert compat.new_event_fd(after, after) is None  # nothing new
+    assert compat.new_event_fd({}, after) is None  # ambiguous: two new ones
+    assert compat.event_fds(str(tmp_path / "missing")) == {}
+    assert compat.is_event_fd_target(ev)
+    assert not compat.is_event_fd_target("/dev/infiniband/uverbs0")
+
+
+def test_set_nonblocking() -> None:
+    r, w = os.pipe()
+    try:
+        compat.set_nonblocking(r)
+        assert not os.get_blocking(r)
+        with pytest.raises(BlockingIOError):
+            os.read(r, 1)
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def test_proc_self_mem_reads_safely() -> None:
+    mem = compat.ProcSelfMem()
+    try:
+        buf = ctypes.create_string_buffer(b"hello world", 16)
+        assert mem.read(ctypes.addressof(buf), 11) == b"hello world"
+        # an address that was mapped and is not any more: no crash, just None
+        m = mmap.mmap(-1, mmap.PAGESIZE)
+        cbuf = (ctypes.c_char * mmap.PAGESIZE).from_buffer(m)
+        addr = ctypes.addressof(cbuf)
+        assert mem.read(addr, 8) == b"\0" * 8
+        del cbuf
+        m.close()
+        assert mem.read(addr, 8) is None
+        assert mem.read(8, 8) is None  # NULL page: refused without a syscall
+        assert mem.read(1 << 60, 8) is None
+    finally:
+        mem.close()
+
+
+def _fake_context_struct(cmd_fd: int, async_fd: int, ncv: int = 1) -> ctypes.Array[Any]:
+    buf = (ctypes.c_char * compat.CTX_PROBE_SIZE)()
+    struct.pack_into("=iii", buf, compat.CTX_CMD_FD_OFFSET, cmd_fd, async_fd, ncv)
+    return buf
+
+
+def test_find_context_pointer_in_real_memory() -> None:
+    mem = compat.ProcSelfMem()
+    good = _fake_context_struct(cmd_fd=7, async_fd=9)
+    wrong_fd = _fake_context_struct(cmd_fd=8, async_fd=9)
+    no_async = _fake_context_struct(cmd_fd=7, async_fd=-1)
+    junk = object()
+    words = [0, 12345, id(junk), ctypes.addressof(wrong_fd), ctypes.addressof(no_async),
+             ctypes.addressof(good), 0xDEAD0000, 1 << 50]
+    try:
+        found = compat.find_context_pointer(words, 7, mem.read, lambda fd: fd == 9)
+        assert found == ctypes.addressof(good)
+        # the async fd must be an open verbs event file
+        assert compat.find_context_pointer(words, 7, mem.read, lambda fd: False) is None
+        # two qualifying words: refuse to guess
+        twin = _fake_context_struct(cmd_fd=7, async_fd=9)
+        assert compat.find_context_pointer(words + [ctypes.addressof(twin)], 7, mem.read,
+                                           lambda fd: True) is None
+    finally:
+        mem.close()
+
+
+def test_find_channel_in_real_memory() -> None:
+    mem = compat.ProcSelfMem()
+    ctx_ptr = 0x55550000
+    chan = (ctypes.c_char * compat.CHANNEL_SIZE)()
+    struct.pack_into("=Qii", chan, 0, ctx_ptr, 11, 0)
+    other = (ctypes.c_char * compat.CHANNEL_SIZE)()
+    struct.pack_into("=Qii", other, 0, ctx_ptr + 8, 12, 0)
+    words = [ctypes.addressof(other), 3, ctypes.addressof(chan), ctypes.addressof(chan)]
+    want = (ctypes.addressof(chan), 11)
+    try:
+        assert compat.find_channel(words, ctx_ptr, mem.read, lambda fd: True) == want
+        assert compat.find_channel(words, ctx_ptr, mem.read, lambda fd: True, fd=11) == want
+        assert compat.find_channel(words, ctx_ptr, mem.read, lambda fd: True, fd=12) is None
+        assert compat.find_channel(words, ctx_ptr, mem.read, lambda fd: True,
+                                   candidates=[11, 13]) == want
+        assert compat.find_channel(words, ctx_ptr, mem.read, lambda fd: True,
+                                   candidates=[13]) is None
+        assert compat.find_channel(words, ctx_ptr, mem.read, lambda fd: fd != 11) is None
+    finally:
+        mem.close()
+
+
+def test_object_words_sees_the_fields_of_an_object() -> None:
+    class Holder:
+        __slots__ = ("a", "b")
+
+        def __init__(self) -> None:
+            self.a: object = None
+            self.b: object = None
+
+    h = Holder()
+    h.a = x = object()
+    h.b = y = ["list"]
+    words = compat.object_words(h)
+    assert id(x) in words and id(y) in words
+    assert compat.plausible_pointer(id(x))
+    assert not compat.plausible_pointer(7)
+
+
+# ----------------------------------------------------------------------------------------
+# immediate data and work completions
+# ----------------------------------------------------------------------------------------
+
+
+def test_imm_data_is_network_order_on_the_wire() -> None:
+    for v in (0, 1, 0x01020304, 0xFFFFFFFF, 0xDEADBEEF):
+        raw = compat.imm_to_wire(v)
+        # the C field holds the bytes of the value in big-endian order
+        assert struct.pack("=I", raw) == struct.pack(">I", v)
+        assert compat.imm_from_wire(raw) == v
+    assert compat.imm_to_wire(-1) == 0xFFFFFFFF
+
+
+def _pwc(**kw: Any) -> types.SimpleNamespace:
+    base = dict(wr_id=5, status=0, opcode=128, vendor_err=0, byte_len=10, qp_num=0x11,
+                src_qp=0x22, imm_data=0, wc_flags=0)
+    base.update(kw)
+    return types.SimpleNamespace(**base)
+
+
+def test_convert_wc() -> None:
+    wc = compat.convert_wc(_pwc(wc_flags=WCFlags.WITH_IMM, imm_data=socket.htonl(0xABCD),
+                                opcode=129))
+    assert wc.status is WCStatus.SUCCESS and wc.opcode is WCOpcode.RECV_RDMA_WITH_IMM
+    assert wc.imm_data == 0xABCD and wc.byte_len == 10 and wc.qp_num == 0x11
+    assert wc.src_qp == 0x22 and wc.wc_flags == WCFlags.WITH_IMM
+    # imm_data is ignored without the flag
+    assert compat.convert_wc(_pwc(imm_data=7)).imm_data == 0
+    # error: the opcode is undefined, the provider's knowledge wins
+    err = compat.convert_wc(_pwc(status=10, opcode=0, vendor_err=0x99),
+                            opcode_hint=WCOpcode.RDMA_READ)
+    assert err.status is WCStatus.REM_ACCESS_ERR and err.opcode is WCOpcode.RDMA_READ
+    assert err.vendor_err == 0x99
+    # unknown values
+    assert compat.convert_wc(_pwc(status=77)).status is WCStatus.GENERAL_ERR
+    assert compat.convert_wc(_pwc(opcode=6)).opcode is WCOpcode.SEND  # e.g. LOCAL_INV
+    assert compat.convert_wc(_pwc(opcode=0x83)).opcode is WCOpcode.RECV
+
+
+# ----------------------------------------------------------------------------------------
+# GID selection from sysfs
+# ----------------------------------------------------------------------------------------
+
+
+def _sysfs(tmp_path: Any, gids: dict[int, tuple[str, str | None]], dev: str = "rxe0",
+           port: int = 1) -> str:
+    root = tmp_path / "infiniband"
+    base = root / dev / "ports" / str(port)
+    (base / "gids").mkdir(parents=True)
+    (base / "gid_attrs" / "types").mkdir(parents=True)
+    for i in range(8):
+        gid, gtype = gids.get(i, ("0000:0000:0000:0000:0000:0000:0000:0000", None))
+        (base / "gids" / str(i)).write_text(gid + "\n")
+        if gtype is not None:
+            (base / "gid_attrs" / "types" / str(i)).write_text(gtype + "\n")
+    return str(root)
+
+
+V4GID = "0000:0000:0000:0000:0000:ffff:0a00:020f"  # 10.0.2.15
+LINK_LOCAL = "fe80:0000:0000:0000:5054:00ff:fe12:3456"
+
+
+def test_sysfs_gids_prefer_roce_v2(tmp_path: Any) -> None:
+    root = _sysfs(tmp_path, {0: (LINK_LOCAL, "IB/RoCE v1"), 1: (LINK_LOCAL, "RoCE v2"),
+                             2: (V4GID, "IB/RoCE v1"), 3: (V4GID, "RoCE v2")})
+    entries = compat.read_sysfs_gids("rxe0", 1, root)
+    assert entries is not None
+    assert [e.index for e in entries] == [0, 1, 2, 3]  # zero GIDs are left out
+    assert entries[3] == compat.GidEntry(3, compat.gid_from_str(V4GID), "RoCE v2")
+    assert compat.select_gid_index(entries, "10.0.2.15", dev="rxe0", env={}) == 3
+    assert compat.select_gid_index(entries, "fe80::5054:ff:fe12:3456", env={}) == 1
+    # the peer on this host: the RoCE v2 IPv4 GID
+    assert compat.select_gid_index(entries, "127.0.0.1", env={}) == 3
+    assert compat.select_gid_index(entries, "0.0.0.0", env={}) == 3
+    assert compat.select_gid_index(entries, "10.0.2.15", env={"AIORDMA_GID_INDEX": "2"}) == 2
+
+
+def test_sysfs_gid_types_unknown(tmp_path: Any) -> None:
+    root = _sysfs(tmp_path, {1: (V4GID, None)})
+    entries = compat.read_sysfs_gids("rxe0", 1, root)
+    assert entries == [compat.GidEntry(1, compat.gid_from_str(V4GID), None)]
+    assert compat.select_gid_index(entries, "10.0.2.15", env={}) == 1
+    assert compat.read_sysfs_gids("mlx5_0", 1, root) is None
+
+
+def test_no_matching_gid_is_a_clear_error(tmp_path: Any) -> None:
+    root = _sysfs(tmp_path, {0: (LINK_LOCAL, "RoCE v2"), 1: (V4GID, "RoCE v2")})
+    entries = compat.read_sysfs_gids("rxe0", 1, root)
+    assert entries is not None
+    with pytest.raises(DeviceError) as ei:
+        compat.select_gid_index(entries, "10.9.9.9", dev="rxe0", port=1, env={})
+    msg = str(ei.value)
+    assert "no GID on rxe0 port 1 matches 10.9.9.9" in msg
+    assert "1=10.0.2.15 (RoCE v2)" in msg and "fe80::5054:ff:fe12:3456" in msg
+    assert ei.value.errno == errno.ENODEV
+    with pytest.raises(DeviceError, match="not an IP address"):
+        compat.select_gid_index(entries, "rxe0", env={})
+    with pytest.raises(DeviceError, match="AIORDMA_GID_INDEX"):
+        compat.select_gid_index(entries, "10.0.2.15", env={"AIORDMA_GID_INDEX": "x"})
+    with pytest.raises(DeviceError, match="no GID"):
+        compat.select_gid_index([], "127.0.0.1", env={})
+
+
+def test_gid_helpers() -> None:
+    assert compat.gid_for_ip("10.0.2.15") == compat.gid_from_str(V4GID)
+    assert compat.gid_for_ip("::1") == b"\0" * 15 + b"\1"
+    assert compat.format_gid(compat.gid_from_str(V4GID)) == "10.0.2.15"
+    with pytest.raises(ValueError):
+        compat.gid_from_str("00:11")
+
+
+# ----------------------------------------------------------------------------------------
+# queue accounting
+# ----------------------------------------------------------------------------------------
+
+
+def test_unsignaled_slots_come_free_with_a_later_signaled_completion() -> None:
+    q = compat.WorkQueues(max_send=4, max_recv=2)
+    q.posted_send([(1, False, WCOpcode.SEND), (2, False, WCOpcode.RDMA_WRITE),
+                   (3, True, WCOpcode.SEND)])
+    assert q.send_room() == 1
+    assert q.completed(3, True, 0, True, False) is WCOpcode.SEND
+    assert q.send_room() == 4
+
+
+def test_error_completion_of_an_unsignaled_wr_and_flushes() -> None:
+    q = compat.WorkQueues(max_send=8, max_recv=8)
+    q.posted_send([(1, False, WCOpcode.SEND), (2, False, WCOpcode.RDMA_READ),
+                   (3, True, WCOpcode.SEND)])
+    q.posted_recv([10, 11])
+    # shared CQ: the failed unsignaled READ (opcode undefined) is found by wr_id
+    assert q.completed(2, False, 0, True, True) is WCOpcode.RDMA_READ
+    assert len(q.sq) == 1
+    assert q.completed(3, False, 0, True, True) is WCOpcode.SEND  # flushed
+    assert q.completed(10, False, 0, True, True) is WCOpcode.RECV  # flushed receive
+    assert q.completed(11, False, 0, True, True) is WCOpcode.RECV
+    assert q.send_room() == 8 and q.recv_room() == 8
+    assert q.completed(99, False, 0, True, True) is None  # unknown: nothing released
+
+
+def test_successful_completions_on_separate_and_shared_cqs() -> None:
+    q = compat.WorkQueues(max_send=8, max_recv=8)
+    q.posted_send([(7, True, WCOpcode.SEND)])
+    q.posted_recv([7])  # the same wr_id on both queues
+    assert q.completed(7, True, 128, True, True) is WCOpcode.RECV
+    assert len(q.rq) == 0 and len(q.sq) == 1
+    assert q.completed(7, True, 0, True, False) is WCOpcode.SEND
+    q.posted_send([(1, True, WCOpcode.SEND)])
+    q.reset()
+    assert q.send_room() == 8
+
+
+# ----------------------------------------------------------------------------------------
+# native async events (ctypes) with a fake libibverbs
+# ----------------------------------------------------------------------------------------
+
+
+class FakeLib:
+    def __init__(self, events: list[tuple[int, int]], fail_errno: int = errno.EAGAIN) -> None:
+        self.events = deque(events)
+        self.acked: list[tuple[int, int]] = []
+        self.fail_errno = fail_errno
+        self.cq_events: deque[tuple[int, int]] = deque()  # (struct ibv_cq *, cq_context)
+        self.cq_acked: list[tuple[int, int]] = []
+
+    def ibv_get_cq_event(self, ch: Any, cq_ref: Any, ctx_ref: Any) -> int:
+        if not self.cq_events:
+            ctypes.set_errno(self.fail_errno)
+            return -1
+        cq_ref._obj.value, ctx_ref._obj.value = self.cq_events.popleft()
+        return 0
+
+    def ibv_ack_cq_events(self, cq: Any, n: int) -> None:
+        self.cq_acked.append((cq.value, n))
+
+    def ibv_get_async_event(self, ctx: Any, ref: Any) -> int:
+        if not self.events:
+            ctypes.set_errno(self.fail_errno)
+            return -1
+        etype, element = self.events.popleft()
+        ref._obj.event_type = etype
+        ref._obj.element = element
+        return 0
+
+    def ibv_ack_async_event(self, ref: Any) -> None:
+        self.acked.append((ref._obj.event_type, ref._obj.element or 0))
+
+
+def test_native_async_reader_converts_then_acks_everything() -> None:
+    qp = (ctypes.c_char * 64)()
+    struct.pack_into("=I", qp, compat.QP_QP_NUM_OFFSET, 0x1234)
+    cq = (ctypes.c_char * 32)()
+    struct.pack_into("=Q", cq, compat.CQ_CQ_CONTEXT_OFFSET, 0xC0FFEE)
+    qp_addr, cq_addr = ctypes.addressof(qp), ctypes.addressof(cq)
+    lib = FakeLib([(1, qp_addr), (0, cq_addr), (10, 1), (99, 0)])
+    seen: list[tuple[int, Any]] = []
+
+    def convert(etype: int, element: int) -> tuple[int, Any] | None:
+        if etype == 99:
+            return None  # unknown type: acked, not reported
+        if etype == 1:
+            return (etype, native.qp_num_of(element))
+        if etype == 0:
+            return (etype, native.cq_context_of(element))
+        return (etype, native.element_port(element))
+
+    reader = native.AsyncReader(lib, 0x1000)
+    seen = reader.drain(convert)
+    assert seen == [(1, 0x1234), (0, 0xC0FFEE), (10, 1)]
+    assert len(lib.acked) == 4  # every event is acked, the unknown one too
+    assert reader.drain(convert) == []
+
+
+def test_native_channel_reader() -> None:
+    lib = FakeLib([])
+    lib.cq_events.extend([(0x1000, 0xAA), (0x2000, 0xBB)])
+    r = native.ChannelReader(lib, 0x500)
+    assert r.get() == (0x1000, 0xAA) and r.get() == (0x2000, 0xBB) and r.get() is None
+    r.ack(0x1000, 2)
+    assert lib.cq_acked == [(0x1000, 2)]
+    lib.fail_errno = errno.EBADF
+    with pytest.raises(OSError) as ei:
+        r.get()
+    assert ei.value.errno == errno.EBADF
+
+
+def test_native_async_reader_stops_on_other_errors(caplog: Any) -> None:
+    lib = FakeLib([], fail_errno=errno.EIO)
+    assert native.AsyncReader(lib, 0x1000).drain(lambda t, e: (t, e)) == []
+    assert "ibv_get_async_event failed" in caplog.text
+
+
+# ----------------------------------------------------------------------------------------
+# the provider objects against a fake pyverbs
+# ----------------------------------------------------------------------------------------
+
+
+class FakeDevice:
+    def __init__(self, name: bytes) -> None:
+        self.name = name  # bytes, as pyverbs returns it
+
+
+class FakeContext:
+    ports = {1: dict(state=4, active_mtu=3, max_mtu=5, lid=0, gid_tbl_len=8, link_layer=2,
+                     max_msg_sz=1 << 31)}
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.cmd_fd = 3
+        self.closed = False
+        self.async_events: deque[int] = deque()
+
+    def query_device(self) -> Any:
+        return types.SimpleNamespace(
+            phys_port_cnt=1, max_qp_wr=16384, max_sge=32, max_cqe=65536, max_mr_size=1 << 40,
+            max_qp_rd_atom=8, max_qp_init_rd_atom=4, atomic_caps=1, vendor_id=0x1234,
+            vendor_part_id=1, fw_version=b"1.0")
+
+    def query_port(self, port: int) -> Any:
+        if port not in self.ports:
+            raise FakePyverbsError("Failed to query port", errno.EINVAL)
+        return types.SimpleNamespace(**self.ports[port])
+
+    def query_gid(self, port: int, index: int) -> str:
+        return V4GID if index == 1 else "0000:0000:0000:0000:0000:0000:0000:0000"
+
+    def get_async_event(self) -> Any:
+        et = self.async_events.popleft()
+        ev = types.SimpleNamespace(event_type=et, acked=False)
+        ev.ack = lambda: setattr(ev, "acked", True)
+        return ev
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class FakePD:
+    def __init__(self, ctx: FakeContext) -> None:
+        self.closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class FakeMR:
+    next_key = 0x100
+
+    def __init__(self, pd: FakePD, length: int, access: int, address: int | None = None) -> None:
+        if access & 0x2 and not access & 0x1:
+            raise FakePyverbsError("Failed to register a MR", errno.EINVAL)
+        self.length, self.access, self.address = length, access, address
+        FakeMR.next_key += 1
+        self.lkey = self.rkey = FakeMR.next_key
+        self.closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class FakeCompChannel:
+    """rdma-core 57+: has ``fd``; get_cq_event raises EAGAIN when nothing is queued."""
+
+    def __init__(self, ctx: FakeContext) -> None:
+        self._r, self._w = os.pipe()
+        self.queued = 0
+        self.closed = False
+
+    @property
+    def fd(self) -> int:
+        return self._r
+
+    def push(self) -> None:
+        self.queued += 1
+        os.write(self._w, b"x")
+
+    def get_cq_event(self, cq: FakeCQ) -> None:
+        if not self.queued:
+            raise FakePyverbsError("Failed to get CQ event", errno.EAGAIN)
+        self.queued -= 1
+        os.read(self._r, 1)
+        cq.num_events += 1
+
+    def close(self) -> None:
+        self.closed = True
+        os.close(self._r)
+        os.close(self._w)
+
+
+class FakeCQ:
+    def __init__(self, ctx: FakeContext, cqe: int, cq_context: Any, channel: Any,
+                 comp_vector: int) -> None:
+        self.cqe, self.cq_context, self.channel = cqe, cq_context, channel
+        self.wcs: deque[Any] = deque()
+        self.num_events = 0
+        self.armed = 0
+        self.closed = False
+        self.fail: Exception | None = None
+
+    def poll(self, n: int = 1) -> tuple[int, list[Any]]:
+        if self.fail is not None:
+            raise self.fail
+        out = [self.wcs.popleft() for _ in range(min(n, len(self.wcs)))]
+        return len(out), out
+
+    def req_notify(self, solicited_only: int = 0) -> None:
+        self.armed += 1
+
+    def ack_events(self, n: int) -> None:
+        self.num_events -= n
+
+    def close(self) -> None:
+        assert self.num_events == 0, "ibv_destroy_cq would block"
+        self.closed = True
+
+
+class _Rec:
+    """A pyverbs-like record object: keyword fields, settable attributes, close()."""
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        self.args = args
+        self.__dict__.update(kw)
+        self.closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class FakeSGE(_Rec):
+    def __init__(self, addr: int, length: int, lkey: int) -> None:
+        super().__init__(addr=addr, length=length, lkey=lkey)
+
+
+class FakeSendWR(_Rec):
+    def __init__(self, wr_id: int = 0, opcode: int = 2, num_sge: int = 0, imm_data: int = 0,
+                 sg: Any = None, send_flags: int = 2, next_wr: Any = None) -> None:
+        if num_sge < 1 or sg is None:  # as pyverbs 44 and 65
+            raise FakePyverbsError("A WR needs at least one SGE")
+        if not 0 <= imm_data <= 0xFFFFFFFF:
+            raise OverflowError("imm_data")
+        super().__init__(wr_id=wr_id, opcode=opcode, num_sge=num_sge, imm_data=imm_data,
+                         sg=[(s.addr, s.length, s.lkey) for s in sg], send_flags=send_flags,
+                         next_wr=next_wr, rdma=None, atomic=None)
+
+    def set_wr_rdma(self, rkey: int, addr: int) -> None:
+        self.rdma = (rkey, addr)
+
+    def set_wr_atomic(self, rkey: int, addr: int, compare_add: int, swap: int = 0) -> None:
+        self.atomic = (rkey, addr, compare_add, swap)
+
+
+class FakeRecvWR(_Rec):
+    def __init__(self, wr_id: int = 0, num_sge: int = 0, sg: Any = None,
+                 next_wr: Any = None) -> None:
+        if num_sge < 1 or sg is None:  # pyverbs 44
+            raise FakePyverbsError("A WR needs at least one SGE")
+        super().__init__(wr_id=wr_id, num_sge=num_sge,
+                         sg=[(s.addr, s.length, s.lkey) for s in sg], next_wr=next_wr)
+
+
+class FakeQP:
+    def __init__(self, pd: FakePD, init: _Rec) -> None:
+        self.init = init
+        self.qp_num = 0x11
+        self.state = 0
+        self.sends: list[list[FakeSendWR]] = []
+        self.recvs: list[list[FakeRecvWR]] = []
+        self.modified: list[tuple[FakeQPAttr, int]] = []
+        self.refuse: Exception | None = None
+        self.closed = False
+
+    @staticmethod
+    def _chain(head: Any) -> list[Any]:
+        out = []
+        while head is not None:
+            assert not head.closed, "posted after close()"
+            out.append(head)
+            head = head.next_wr
+        return out
+
+    def post_send(self, head: FakeSendWR) -> None:
+        if self.refuse is not None:
+            raise self.refuse
+        self.sends.append(self._chain(head))
+
+    def post_recv(self, head: FakeRecvWR) -> None:
+        if self.refuse is not None:
+            raise self.refuse
+        self.recvs.append(self._chain(head))
+
+    def modify(self, attr: FakeQPAttr, mask: int) -> None:
+        if attr.qp_state == 3 and self.state != 2:
+            raise FakePyverbsError("Failed to modify QP", errno.EINVAL)
+        self.modified.append((attr, mask))
+        self.state = attr.qp_state
+
+    def query(self, mask: int) -> tuple[Any, Any]:
+        return types.SimpleNamespace(qp_state=self.state), None
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class FakeQPAttr(_Rec):
+    def __init__(self, qp_state: int = 1) -> None:
+        super().__init__()
+        self.qp_state = qp_state
+
+
+def fake_pyverbs(devices: list[bytes] | None = None) -> Any:
+    pv = types.SimpleNamespace()
+    pv.device = types.SimpleNamespace(
+        Context=lambda name: FakeContext(name),
+        get_device_list=lambda: [FakeDevice(n) for n in (devices or [b"rxe0"])])
+    pv.pd = types.SimpleNamespace(PD=FakePD)
+    pv.mr = types.SimpleNamespace(MR=FakeMR)
+    pv.cq = types.SimpleNamespace(CQ=FakeCQ, CompChannel=FakeCompChannel)
+    pv.qp = types.SimpleNamespace(QP=FakeQP, QPCap=_Rec, QPInitAttr=_Rec, QPAttr=FakeQPAttr)
+    pv.wr = types.SimpleNamespace(SGE=FakeSGE, SendWR=FakeSendWR, RecvWR=FakeRecvWR)
+    pv.addr = types.SimpleNamespace(GID=lambda s: ("GID", s), GlobalRoute=_Rec, AHAttr=_Rec)
+    pv.Error = FakePyverbsError
+    pv.version = (44,)
+    pv.e = compat.EnumTable(None)
+    pv.channel_has_fd = True
+    pv.context_ptr_property = False
+    pv.describe = lambda: "fake pyverbs"
+    return pv
+
+
+@pytest.fixture
+def fake(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> Any:
+    """A fake pyverbs installed in the provider; the async fd is a pipe."""
+    pv = fake_pyverbs()
+    monkeypatch.setattr(provider, "_pyverbs", pv)
+    monkeypatch.setitem(provider._inline_cache, "rxe0", 256)
+    r, w = os.pipe()
+    calls = iter([{}, {r: "anon_inode:[infinibandevent]"}])
+    # the first call is before ibv_open_device, the second after it
+    monkeypatch.setattr(compat, "event_fds", lambda proc_fd=None: next(calls, {}))
+    pv.async_pipe = (r, w)
+    yield pv
+    for fd in (r, w):
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def _open(fake: Any) -> provider.IbvContext:
+    ctx = provider.IbverbsProvider().open()
+    assert isinstance(ctx, provider.IbvContext)
+    return ctx
+
+
+def _qp_setup(fake: Any, cap: QPCap | None = None, shared: bool = True) -> tuple[Any, ...]:
+    ctx = _open(fake)
+    pd = ctx.alloc_pd()
+    ch = ctx.create_comp_channel()
+    cq = ctx.create_cq(64, ch)
+    rcq = cq if shared else ctx.create_cq(64)
+    qp = pd.create_qp(cq, rcq, cap or QPCap(max_send_wr=4, max_recv_wr=4, max_send_sge=2,
+                                            max_recv_sge=2, max_inline_data=64))
+    return ctx, pd, ch, cq, rcq, qp
+
+
+def _to_rts(qp: Any) -> None:
+    qp.modify(QPAttr(QPState.INIT, qp_access_flags=Access.LOCAL_WRITE | Access.REMOTE_WRITE))
+    qp.modify(QPAttr(QPState.RTR, path_mtu=MTU.MTU_4096, dest_qp_num=0x22, rq_psn=7,
+                     max_dest_rd_atomic=16,
+                     ah_attr=AHAttr(dgid=compat.gid_from_str(V4GID), sgid_index=1)))
+    qp.modify(QPAttr(QPState.RTS, sq_psn=9, max_rd_atomic=16))
+
+
+def test_provider_without_pyverbs_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(provider, "_pyverbs", None)
+    monkeypatch.setitem(sys.modules, "pyverbs", None)  # import pyverbs -> ImportError
+    from aiordma.verbs import get_provider
+
+    prov = get_provider("verbs")
+    assert prov.name == "verbs"
+    with pytest.raises(DeviceError, match="python3-pyverbs"):
+        prov.list_devices()
+    with pytest.raises(DeviceError, match="pip install pyverbs"):
+        prov.open()
+
+
+def test_list_devices_and_open(fake: Any) -> None:
+    devs = provider.IbverbsProvider().list_devices()
+    assert [d.name for d in devs] == ["rxe0"] and devs[0].active
+    port = devs[0].ports[0]
+    assert port.state.name == "ACTIVE" and port.link_layer.name == "ETHERNET"
+    assert port.active_mtu.name == "MTU_1024"
+    with pytest.raises(DeviceError, match="no RDMA device 'mlx5_0'; devices: rxe0"):
+        provider.IbverbsProvider().open("mlx5_0")
+    ctx = _open(fake)
+    r, w = fake.async_pipe
+    assert ctx.async_fd == r and not os.get_blocking(r)
+    a = ctx.query_device()
+    assert (a.max_qp_rd_atom, a.max_qp_init_rd_atom, a.max_inline_data) == (8, 4, 256)
+    assert a.fw_ver == "1.0"
+    p = ctx.query_port(1)
+    assert p.active_mtu.name == "MTU_1024" and p.max_mtu.name == "MTU_4096"
+    with pytest.raises(RDMAError) as ei:
+        ctx.query_port(2)
+    assert ei.value.errno == errno.EINVAL
+    assert ctx.query_gid(1, 1) == compat.gid_from_str(V4GID)
+    ctx.close()
+    ctx.close()
+
+
+def test_open_picks_the_first_active_device(monkeypatch: pytest.MonkeyPatch, fake: Any) -> None:
+    fake.device.get_device_list = lambda: [FakeDevice(b"down0"), FakeDevice(b"rxe0")]
+
+    class Ctx(FakeContext):
+        def query_port(self, port: int) -> Any:
+            p = super().query_port(port)
+            if self.name == "down0":
+                p.state = 1
+            return p
+
+    fake.device.Context = lambda name: Ctx(name)
+    ctx = _open(fake)
+    assert ctx.name == "rxe0"
+    fake.device.get_device_list = lambda: [FakeDevice(b"down0")]
+    with pytest.raises(DeviceError, match="no RDMA device with an ACTIVE port; devices: down0"):
+        provider.IbverbsProvider().open()
+    ctx.close()
+
+
+def test_gid_index_for_uses_sysfs_then_the_device(monkeypatch: pytest.MonkeyPatch, fake: Any,
+                                                  tmp_path: Any) -> None:
+    ctx = _open(fake)
+    root = _sysfs(tmp_path, {0: (LINK_LOCAL, "RoCE v2"), 1: (V4GID, "IB/RoCE v1"),
+                             2: (V4GID, "RoCE v2")})
+    real = compat.read_sysfs_gids
+    monkeypatch.setattr(compat, "read_sysfs_gids",
+                        lambda dev, port, root_=root: real(dev, port, root_))
+    monkeypatch.delenv("AIORDMA_GID_INDEX", raising=False)
+    assert ctx.gid_index_for("10.0.2.15") == 2
+    monkeypatch.setattr(compat, "read_sysfs_gids", lambda dev, port: None)
+    assert ctx.gid_index_for("10.0.2.15") == 1  # from ibv_query_gid
+    with pytest.raises(DeviceError, match="no GID on rxe0 port 1 matches 10.1.1.1"):
+        ctx.gid_index_for("10.1.1.1")
+    FakeContext.ports = {1: dict(FakeContext.ports[1], link_layer=1, lid=5)}
+    try:
+        assert ctx.gid_index_for("10.1.1.1") == 0  # InfiniBand: LID addressing
+        monkeypatch.setenv("AIORDMA_GID_INDEX", "3")
+        assert ctx.gid_index_for("10.1.1.1") == 3
+    finally:
+        FakeContext.ports = {1: dict(FakeContext.ports[1], link_layer=2, lid=0)}
+    ctx.close()
+
+
+def test_reg_mr(fake: Any) -> None:
+    ctx = _open(fake)
+    pd = ctx.alloc_pd()
+    buf = bytearray(b"abcdefgh")
+    mr = pd.reg_mr(buf, Access.LOCAL_WRITE | Access.REMOTE_READ)
+    assert mr._mr.address == mr.addr and mr._mr.length == 8 == mr.length
+    assert mr.view[:3] == b"abc" and mr.lkey == mr._mr.lkey
+    with pytest.raises(BufferError):
+        buf.extend(b"x")  # pinned while registered
+    with pytest.raises(RegistrationError, match="LOCAL_WRITE"):
+        pd.reg_mr(bytearray(8), Access.REMOTE_WRITE)
+    with pytest.raises(RegistrationError, match="LOCAL_WRITE"):
+        pd.reg_mr(bytearray(8), Access.REMOTE_ATOMIC | Access.REMOTE_READ)
+    with pytest.raises(TypeError):
+        pd.reg_mr(b"read-only")
+    with pytest.raises(RegistrationError, match="empty"):
+        pd.reg_mr(bytearray())
+    with pytest.raises(RDMAError) as ei:
+        pd.close()
+    assert ei.value.errno == errno.EBUSY
+    with pytest.raises(RDMAError):
+        ctx.close()
+    mr.close()
+    mr.close()
+    buf.extend(b"x")
+    pd.close()
+    ctx.close()
+
+
+def test_modify_translates_attributes(fake: Any) -> None:
+    ctx, pd, ch, cq, rcq, qp = _qp_setup(fake)
+    init = qp._qp.init
+    assert init.sq_sig_all == 0 and init.qp_type == 2
+    _to_rts(qp)
+    (a_init, m_init), (a_rtr, m_rtr), (a_rts, m_rts) = qp._qp.modified
+    e = compat.ABI_ENUMS
+    assert m_init == e["IBV_QP_STATE"] | e["IBV_QP_PKEY_INDEX"] | e["IBV_QP_PORT"] \
+        | e["IBV_QP_ACCESS_FLAGS"]
+    assert a_init.qp_access_flags == 3
+    assert m_rtr & e["IBV_QP_AV"] and m_rtr & e["IBV_QP_DEST_QPN"]
+    assert a_rtr.path_mtu == 3  # clamped to the port's active MTU
+    assert a_rtr.max_dest_rd_atomic == 8  # clamped to max_qp_rd_atom
+    assert a_rtr.dest_qp_num == 0x22 and a_rtr.rq_psn == 7
+    ah = a_rtr.ah_attr
+    assert ah.is_global == 1 and ah.dlid == 0  # RoCE: always a GRH
+    assert ah.gr.dgid == ("GID", V4GID) and ah.gr.sgid_index == 1
+    assert m_rts & e["IBV_QP_SQ_PSN"] and a_rts.max_rd_atomic == 4 and a_rts.sq_psn == 9
+    assert qp.state is QPState.RTS
+    with pytest.raises(RDMAError) as ei:  # illegal: RESET -> RTS
+        qp.modify(QPAttr(QPState.RESET))
+        qp.modify(QPAttr(QPState.RTS))
+    assert ei.value.errno == errno.EINVAL
+    qp.modify(QPAttr(QPState.ERR))
+    assert qp.state is QPState.ERR
+
+
+def test_post_send_builds_one_chain(fake: Any) -> None:
+    ctx, pd, ch, cq, rcq, qp = _qp_setup(fake)
+    with pytest.raises(PostError) as ei:
+        qp.post_send([SendWR(1, WROpcode.SEND, [SGE(0x1000, 8, 5)])])
+    assert ei.value.errno == errno.EINVAL  # QP in RESET: refused before pyverbs
+    with pytest.raises(PostError):
+        qp.post_recv([RecvWR(50, [SGE(0x3000, 64, 5)])])
+    qp.modify(QPAttr(QPState.INIT))
+    qp.post_recv([RecvWR(50, [SGE(0x3000, 64, 5)]), RecvWR(51, [])])
+    (r1, r2), = qp._qp.recvs
+    assert (r1.wr_id, r1.num_sge, r2.wr_id, r2.num_sge) == (50, 1, 51, 0)
+    qp.modify(QPAttr(QPState.RESET))
+    _to_rts(qp)
+    wrs = [
+        SendWR(1, WROpcode.SEND_WITH_IMM, [SGE(0x1000, 8, 5), SGE(0x2000, 4, 6)],
+               imm_data=0x01020304, send_flags=0),
+        SendWR(2, WROpcode.RDMA_WRITE, [], rkey=0x77, remote_addr=0x9000),
+        SendWR(3, WROpcode.ATOMIC_FETCH_AND_ADD, [SGE(0x4000, 8, 5)], rkey=0x78,
+               remote_addr=0xA008, compare_add=-1),
+    ]
+    qp.post_send(wrs)
+    (w1, w2, w3), = qp._qp.sends
+    assert [w.wr_id for w in (w1, w2, w3)] == [1, 2, 3]
+    assert w1.opcode == 3 and w1.num_sge == 2 and w1.send_flags == 0
+    assert w1.sg == [(0x1000, 8, 5), (0x2000, 4, 6)]
+    assert w1.imm_data == socket.htonl(0x01020304)
+    assert w2.num_sge == 0 and w2.rdma == (0x77, 0x9000) and w2.imm_data == 0
+    assert w3.atomic == (0x78, 0xA008, 0xFFFFFFFFFFFFFFFF, 0)
+    assert all(w.closed for w in (w1, w2, w3))  # C memory freed after posting
+    assert len(qp._queues.sq) == 3
+
+
+def test_refusals_leave_nothing_posted(fake: Any) -> None:
+    ctx, pd, ch, cq, rcq, qp = _qp_setup(fake)
+    _to_rts(qp)
+    ok = SendWR(1, WROpcode.SEND, [SGE(0x1000, 8, 5)])
+    bad_chains = [
+        [ok, SendWR(2, WROpcode.ATOMIC_CMP_AND_SWP, [SGE(0x1000, 8, 5)], remote_addr=0x1004)],
+        [ok, SendWR(2, WROpcode.ATOMIC_CMP_AND_SWP, [SGE(0x1000, 4, 5)])],
+        [ok, SendWR(2, WROpcode.SEND, [SGE(0, 1, 1)] * 3)],
+        [ok, SendWR(2, WROpcode.SEND, [SGE(0x1000, 65, 5)], send_flags=SendFlags.INLINE)],
+        [ok, SendWR(2, WROpcode.RDMA_READ, [SGE(0x1000, 8, 5)], send_flags=SendFlags.INLINE)],
+    ]
+    for chain in bad_chains:
+        with pytest.raises(PostError) as ei:
+            qp.post_send(chain)
+        assert isinstance(ei.value, ValueError) and ei.value.errno == errno.EINVAL
+    with pytest.raises(PostError) as ei:
+        qp.post_send([ok] * 5)  # max_send_wr=4
+    assert ei.value.errno == errno.ENOMEM
+    with pytest.raises(PostError) as ei:
+        qp.post_recv([RecvWR(i, [SGE(0, 1, 1)]) for i in range(5)])
+    assert ei.value.errno == errno.ENOMEM
+    with pytest.raises(ValueError):
+        qp.post_recv([RecvWR(1, [SGE(0, 1, 1)] * 3)])
+    assert qp._qp.sends == [] and qp._qp.recvs == [] and not qp._queues.sq
+    qp._qp.refuse = FakePyverbsError("Failed to post send", errno.ENOMEM)
+    with pytest.raises(PostError) as ei:
+        qp.post_send([ok])
+    assert ei.value.errno == errno.ENOMEM and not qp._queues.sq
+
+
+def test_poll_converts_and_frees_send_slots(fake: Any) -> None:
+    ctx, pd, ch, cq, rcq, qp = _qp_setup(fake)
+    _to_rts(qp)
+    qp.post_send([SendWR(1, WROpcode.RDMA_WRITE, [], send_flags=0),
+                  SendWR(2, WROpcode.RDMA_WRITE, [], send_flags=0),
+                  SendWR(3, WROpcode.RDMA_READ, [SGE(0x1000, 8, 5)])])
+    qp.post_recv([RecvWR(9, [SGE(0x3000, 64, 5)])])
+    with pytest.raises(PostError):  # 3 of 4 in use
+        qp.post_send([SendWR(4, WROpcode.SEND, []), SendWR(5, WROpcode.SEND, [])])
+    pcq = cq._cq
+    pcq.wcs.extend([_pwc(wr_id=3, opcode=2, byte_len=8),
+                    _pwc(wr_id=9, opcode=129, wc_flags=2, imm_data=socket.htonl(42),
+                         byte_len=0)])
+    wcs = cq.poll(16)
+    assert [(w.wr_id, w.opcode, w.status) for w in wcs] == [
+        (3, WCOpcode.RDMA_READ, WCStatus.SUCCESS),
+        (9, WCOpcode.RECV_RDMA_WITH_IMM, WCStatus.SUCCESS)]
+    assert wcs[1].imm_data == 42
+    assert qp._queues.send_room() == 4 and qp._queues.recv_room() == 4
+    # an error of a later unsignaled WR, then its flush; opcode from what was posted
+    qp.post_send([SendWR(4, WROpcode.RDMA_READ, [SGE(0x1000, 8, 5)], send_flags=0),
+                  SendWR(5, WROpcode.SEND, [])])
+    pcq.wcs.extend([_pwc(wr_id=4, status=10, opcode=0), _pwc(wr_id=5, status=5, opcode=0)])
+    wcs = cq.poll()
+    assert [(w.wr_id, w.opcode, w.status) for w in wcs] == [
+        (4, WCOpcode.RDMA_READ, WCStatus.REM_ACCESS_ERR),
+        (5, WCOpcode.SEND, WCStatus.WR_FLUSH_ERR)]
+    assert qp._queues.send_room() == 4
+    pcq.fail = FakePyverbsError("Failed to poll CQ", errno.EOVERFLOW)
+    with pytest.raises(CQOverrunError):
+        cq.poll()
+    pcq.fail = None
+    with pytest.raises(CQOverrunError):  # forever
+        cq.poll()
+
+
+def test_completion_channel_events(fake: Any) -> None:
+    ctx, pd, ch, cq, rcq, qp = _qp_setup(fake, shared=False)
+    assert not os.get_blocking(ch.fd)
+    assert ch.get_event() is None  # EAGAIN
+    cq.req_notify()
+    assert cq._cq.armed == 1
+    ch._cc.push()
+    ch._cc.push()
+    assert ch.get_event() is cq and ch.get_event() is cq and ch.get_event() is None
+    with pytest.raises(RDMAError) as ei:  # one CQ per channel
+        ctx.create_cq(8, ch)
+    assert ei.value.errno == errno.EBUSY
+    qp.close()
+    qp.close()
+    with pytest.raises(RDMAError, match="unacknowledged"):
+        cq.close()
+    cq.ack_events(1)
+    with pytest.raises(RDMAError, match="unacknowledged"):
+        cq.close()
+    cq.ack_events(5)  # clamped to what was obtained
+    ch._cc.push()  # queued but never read: the close reads and acks it
+    with pytest.raises(RDMAError) as ei:
+        ch.close()
+    assert ei.value.errno == errno.EBUSY
+    cq.close()
+    rcq.close()
+    ch.close()
+    pd.close()
+    ctx.close()
+
+
+def test_shared_channel_through_libibverbs(monkeypatch: pytest.MonkeyPatch, fake: Any) -> None:
+    """With the channel's C struct found, events of several CQs share one channel and are
+    acked through libibverbs (pyverbs' own per-CQ counter is never touched)."""
+    ctx = _open(fake)
+    lib = FakeLib([])
+    monkeypatch.setattr(native, "libibverbs", lambda: lib)
+    orig_locate = provider.IbvCompChannel._locate
+    monkeypatch.setattr(provider.IbvCompChannel, "_locate",
+                        lambda self, before: (orig_locate(self, before)[0], 0x7000))
+    ch = ctx.create_comp_channel()
+    assert ch._reader is not None
+    cq1 = ctx.create_cq(8, ch)
+    cq2 = ctx.create_cq(8, ch)
+    lib.cq_events.extend([(0x100, id(cq2._token)), (0x200, id(cq1._token)),
+                          (0x100, id(cq2._token))])
+    assert ch.get_event() is cq2 and ch.get_event() is cq1 and ch.get_event() is cq2
+    assert ch.get_event() is None
+    with pytest.raises(RDMAError, match="unacknowledged"):
+        cq2.close()
+    cq2.ack_events(2)
+    cq1.ack_events(1)
+    assert sorted(lib.cq_acked) == [(0x100, 2), (0x200, 1)]
+    assert cq1._cq.num_events == 0 and cq2._cq.num_events == 0
+    cq1.close()
+    cq2.close()
+    ch.close()
+    ctx.close()
+
+
+def test_async_events_fallback_path(fake: Any) -> None:
+    ctx = _open(fake)
+    assert ctx._reader is None  # the fake has no struct ibv_context
+    r, w = fake.async_pipe
+    assert ctx.get_async_events() == []
+    pctx = ctx._ctx
+    pctx.async_events.extend([int(EventType.PORT_ACTIVE), 77])
+    os.write(w, b"xx")
+
+    orig = pctx.get_async_event
+
+    def get_one() -> Any:
+        ev = orig()
+        os.read(r, 1)
+        return ev
+
+    pctx.get_async_event = get_one
+    evs = ctx.get_async_events()
+    assert [e.event_type for e in evs] == [EventType.PORT_ACTIVE]  # 77 is unknown: acked
+    ctx.close()
+
+
+def test_convert_async_event_elements(fake: Any) -> None:
+    ctx, pd, ch, cq, rcq, qp = _qp_setup(fake)
+    qpbuf = (ctypes.c_char * 64)()
+    struct.pack_into("=I", qpbuf, compat.QP_QP_NUM_OFFSET, qp.qp_num)
+    cqbuf = (ctypes.c_char * 32)()
+    struct.pack_into("=Q", cqbuf, compat.CQ_CQ_CONTEXT_OFFSET, id(cq._token))
+    ev = ctx._convert_async(int(EventType.QP_FATAL), ctypes.addressof(qpbuf))
+    assert ev is not None and ev.qp_num == qp.qp_num
+    ev = ctx._convert_async(int(EventType.CQ_ERR), ctypes.addressof(cqbuf))
+    assert ev is not None and ev.cq is cq
+    with pytest.raises(CQOverrunError):
+        cq.poll()
+    ev = ctx._convert_async(int(EventType.PORT_ERR), 1)
+    assert ev is not None and ev.port_num == 1
+    assert ctx._convert_async(19, 0) is None  # IBV_EVENT_WQ_FATAL: not ours
