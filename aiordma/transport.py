@@ -1,12 +1,15 @@
-"""Endpoints, connection setup and (issue 4) asyncio Transports over RDMA.
+"""The transport layer's public face: Endpoints, connection setup, asyncio Transports.
 
-This module is the public face of the transport layer; the pieces live in
-``endpoint.py`` (the message API), ``connection.py`` (handshake, ``listen``/``connect``).
+The pieces live in ``endpoint.py`` (the message API), ``connection.py`` (handshake,
+``listen``/``connect``) and ``rdma_transport.py`` (``RDMATransport``,
+``create_connection``/``create_server``: asyncio Protocols over an Endpoint).
 """
 
 from __future__ import annotations
 
 from .connection import Listener, connect, listen
 from .endpoint import Endpoint
+from .rdma_transport import RDMAServer, RDMATransport, create_connection, create_server
 
-__all__ = ["Endpoint", "Listener", "connect", "listen"]
+__all__ = ["Endpoint", "Listener", "RDMAServer", "RDMATransport", "connect",
+           "create_connection", "create_server", "listen"]
