@@ -21,9 +21,12 @@ def run(main: Coroutine[Any, Any, int], loop: str = "auto") -> int:
     if loop in ("auto", "uvloop"):
         try:
             import uvloop
-
-            return uvloop.run(main)
         except ImportError:
             if loop == "uvloop":
                 raise
+        else:
+            if hasattr(uvloop, "run"):
+                result: int = uvloop.run(main)
+                return result
+            uvloop.install()  # uvloop < 0.18 (e.g. Debian bookworm's) has no run()
     return asyncio.run(main)

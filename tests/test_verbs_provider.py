@@ -223,7 +223,7 @@ def test_list_devices_and_ports(ctx: Context, provider_name: str) -> None:
     assert dev.provider == provider_name and dev.active
     assert dev.ports[0].port_num == 1 and dev.ports[0].state == PortState.ACTIVE
     port = ctx.query_port(1)
-    assert port.state == PortState.ACTIVE and port.max_msg_sz >= 1 << 30
+    assert port.state == PortState.ACTIVE and port.max_msg_sz >= 1 << 23  # rxe on 6.1: 8 MiB
     if provider_name == "soft":
         assert dev.name == "soft0" and dev.ports[0].lid == port.lid > 0
 
@@ -529,18 +529,19 @@ def test_atomic_misaligned(ctx: Context, res: Resources) -> None:
     p = Pair(ctx, res)
     ma, _ = p.mr("a", 64)
     mb, _ = p.mr("b", 64)
-    p.a.post_send([send(1, [sge(ma, 0, 8)], WROpcode.ATOMIC_FETCH_AND_ADD,
-                        remote_addr=mb.addr + 4, rkey=mb.rkey, compare_add=1)])
-    (wc,) = poll_n(p.cq_a, 1)
-    assert wc.status == S.REM_INV_REQ_ERR
-    wait_state(p.a, QPState.ERR)
+    with pytest.raises(PostError) as ei:  # refused before posting, as rdma-core does
+        p.a.post_send([send(1, [sge(ma, 0, 8)], WROpcode.ATOMIC_FETCH_AND_ADD,
+                            remote_addr=mb.addr + 4, rkey=mb.rkey, compare_add=1)])
+    assert isinstance(ei.value, ValueError)
+    assert p.a.state == QPState.RTS  # nothing was posted; the QP is unharmed
 
 
 # --------------------------------------------------------------------------------------
 # protection
 # --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("case", ["bad_lkey", "outside_mr", "other_pd", "read_into_readonly_mr"])
-def test_local_protection_error(ctx: Context, res: Resources, case: str) -> None:
+def test_local_protection_error(ctx: Context, res: Resources, case: str,
+                                provider_name: str) -> None:
     p = Pair(ctx, res)
     ma, _ = p.mr("a", 4096)
     mb, _ = p.mr("b", 4096)
@@ -564,7 +565,14 @@ def test_local_protection_error(ctx: Context, res: Resources, case: str) -> None
     ])
     wcs = poll_n(p.cq_a, 3)
     assert [w.wr_id for w in wcs] == [1, 2, 3]
-    assert statuses(wcs) == [S.SUCCESS, S.LOC_PROT_ERR, S.WR_FLUSH_ERR]
+    if provider_name == "soft" or case == "read_into_readonly_mr":
+        assert statuses(wcs) == [S.SUCCESS, S.LOC_PROT_ERR, S.WR_FLUSH_ERR]
+    else:
+        # rxe: kernel 6.1 reports LOC_QP_OP_ERR for a bad SEND SGE; 7.2 loses the error
+        # and flushes the faulty WR (and even the delivered one before it)
+        assert wcs[0].status in (S.SUCCESS, S.WR_FLUSH_ERR)
+        assert wcs[1].status in (S.LOC_PROT_ERR, S.LOC_QP_OP_ERR, S.WR_FLUSH_ERR)
+        assert wcs[2].status == S.WR_FLUSH_ERR
     assert p.a.state == QPState.ERR
 
 
@@ -606,7 +614,9 @@ def test_remote_access_error(ctx: Context, res: Resources, case: str) -> None:
                         compare_add=1),
                    send(2, [sge(ma, 0, 16)])])
     wcs = poll_n(p.cq_a, 2)
-    assert statuses(wcs) == [S.REM_ACCESS_ERR, S.WR_FLUSH_ERR]
+    # a QP without the remote right makes it an invalid request (as rxe reports it)
+    first = S.REM_INV_REQ_ERR if case == "qp_access_flags" else S.REM_ACCESS_ERR
+    assert statuses(wcs) == [first, S.WR_FLUSH_ERR]
     assert wcs[0].wr_id == 1
     wait_state(p.a, QPState.ERR)
     wait_state(p.b, QPState.ERR)  # the responder QP fails too
@@ -623,7 +633,7 @@ def test_responder_async_event(ctx: Context, res: Resources, provider_name: str)
     assert statuses(poll_n(p.cq_a, 1)) == [S.REM_ACCESS_ERR]
     wait_state(p.b, QPState.ERR)
     if provider_name != "soft":
-        return  # rxe does not report responder access errors as async events
+        return  # rxe reports it on kernel 7.2 but not on 6.1
     assert readable(ctx.async_fd, WAIT_S)
     evs = ctx.get_async_events()
     assert [(e.event_type, e.qp_num) for e in evs] == [(EventType.QP_ACCESS_ERR, p.b.qp_num)]
@@ -637,9 +647,10 @@ def test_recv_buffer_too_small(ctx: Context, res: Resources, provider_name: str)
     p.b.post_recv([RecvWR(1, [sge(mb, 0, 8)]), RecvWR(2, [sge(mb)])])
     p.a.post_send([send(3, [sge(ma, 0, 16)]), send(4, [sge(ma, 0, 4)])])
     wa = poll_n(p.cq_a, 2)
-    assert statuses(wa) == [S.REM_INV_REQ_ERR, S.WR_FLUSH_ERR]
+    assert statuses(wa) == [S.REM_OP_ERR, S.WR_FLUSH_ERR]  # what rxe reports
     wb = poll_n(p.cq_b, 2)
-    allowed = {S.LOC_LEN_ERR} if provider_name == "soft" else {S.LOC_LEN_ERR, S.REM_INV_REQ_ERR}
+    # the receiver: LOC_LEN_ERR on hardware and soft; rxe says LOC_QP_OP_ERR
+    allowed = {S.LOC_LEN_ERR} if provider_name == "soft" else {S.LOC_LEN_ERR, S.LOC_QP_OP_ERR}
     assert wb[0].wr_id == 1 and wb[0].status in allowed
     assert (wb[1].wr_id, wb[1].status) == (2, S.WR_FLUSH_ERR)
     wait_state(p.a, QPState.ERR)
@@ -1116,8 +1127,12 @@ def test_multiprocess_one_sided_and_peer_killed(ctx: Context, res: Resources, ch
     m = res.add(pd.reg_mr(buf, ACC_ALL))
     child.connect(ctx, qp, timeout=14, retry_cnt=7)
     _one_sided_roundtrip(cq, qp, m, buf, child.info)  # the child only sleeps meanwhile
-    # freeze the peer so the next WRITE stays outstanding, then kill it
-    child.stop()
+    if provider_name == "soft":
+        # freeze the peer so the next WRITE stays outstanding, then kill it
+        child.stop()
+    else:
+        # rxe's kernel keeps answering for a stopped process: kill it first
+        child.kill()
     qp.post_send([send(5, [sge(m, 0, 64)], WROpcode.RDMA_WRITE, remote_addr=child.info["addr"],
                        rkey=child.info["rkey"]),
                   send(6, [sge(m, 0, 64)], WROpcode.RDMA_WRITE, remote_addr=child.info["addr"],
@@ -1133,7 +1148,9 @@ def test_multiprocess_one_sided_and_peer_killed(ctx: Context, res: Resources, ch
 
 @pytest.mark.multiprocess
 def test_multiprocess_silent_peer_ack_timeout(ctx: Context, res: Resources,
-                                              child: Child) -> None:
+                                              child: Child, provider_name: str) -> None:
+    if provider_name != "soft":
+        pytest.skip("soft's ACK timer: rxe's kernel keeps answering for a stopped process")
     pd = res.add(ctx.alloc_pd())
     cq = res.add(ctx.create_cq(64))
     qp = res.add(pd.create_qp(cq, cq, QPCap(max_send_wr=16, max_recv_wr=16)))

@@ -219,6 +219,9 @@ class SoftQP(Requester, Responder):
         inline = bool(flags & SendFlags.INLINE)
         if op in _ATOMIC and (len(sg) != 1 or sg[0].length != 8):
             raise InvalidWorkRequest("an atomic WR needs exactly one 8-byte SGE")
+        if op in _ATOMIC and wr.remote_addr % 8:
+            # rdma-core (44 and 65) refuses this in ibv_post_send with EINVAL
+            raise InvalidWorkRequest(f"atomic remote_addr {wr.remote_addr:#x} is not 8-byte aligned")
         if inline and op in _RD_ATOMIC:
             raise InvalidWorkRequest("INLINE is only valid for SEND and RDMA_WRITE")
         error: WCStatus | None = None

@@ -17,6 +17,16 @@ from .qpcore import QPCore, scatter
 _M64 = 0xFFFFFFFFFFFFFFFF
 
 
+
+#: the QP access flag each remote operation needs (checked before any MR)
+_QP_RIGHT = {
+    wire.OP_WRITE: Access.REMOTE_WRITE,
+    wire.OP_WRITE_IMM: Access.REMOTE_WRITE,
+    wire.OP_READ: Access.REMOTE_READ,
+    wire.OP_CMP_SWP: Access.REMOTE_ATOMIC,
+    wire.OP_FETCH_ADD: Access.REMOTE_ATOMIC,
+}
+
 class Responder(QPCore):
     def _bind_resp(self, conn: Conn, src_qpn: int) -> bool:
         """Accept ``conn`` as this QP's responder connection if it comes from our peer QP."""
@@ -28,6 +38,8 @@ class Responder(QPCore):
             old.shutdown(graceful=False)
         conn.owner = self
         self._resp_conn = conn
+        ch = self.recv_cq.channel
+        conn.set_driver(ch if ch is not None and ch.manual else None)
         return True
 
     def _resp_batch_end(self, conn: Conn) -> None:
@@ -66,13 +78,20 @@ class Responder(QPCore):
             self._respond(conn, [wire.pack(wire.OP_NAK, psn, aux=wire.NAK_RNR,
                                            flags=self._min_rnr_timer & 31)])
             return discard(length)
+        right = _QP_RIGHT.get(op)
+        if right is not None and not (self._access & right):
+            # The QP itself does not allow this operation: an invalid request (rxe:
+            # REM_INV_REQ_ERR at the requester, no async event), not an access error.
+            self._nak_error(conn, psn, wire.NAK_INV_REQ, None)
+            return discard(length) if has_payload else None
         gen = self._gen
         if op == wire.OP_SEND or op == wire.OP_SEND_IMM:
             r = rq[0]
             if length > r.length:
                 rq.popleft()
                 self._rq_complete(r, WCStatus.LOC_LEN_ERR)
-                self._nak_error(conn, psn, wire.NAK_INV_REQ, EventType.QP_REQ_ERR)
+                # rxe answers a too-long SEND with a remote operational error NAK
+                self._nak_error(conn, psn, wire.NAK_REM_OP, EventType.QP_REQ_ERR)
                 return discard(length)
             views = self._resolve(r.sg_list, need_write=True)
             if views is None:
