@@ -97,6 +97,11 @@ _GRACE_S = 1.0  # after the peer's EOF, how long posted work may take to complet
 _PEER_GONE = (WCStatus.RETRY_EXC_ERR, WCStatus.RNR_RETRY_EXC_ERR)
 
 
+def _consume_exception(fut: asyncio.Future[Any]) -> None:
+    if not fut.cancelled():
+        fut.exception()
+
+
 class _Op:
     """One operation on the send queue (or waiting for resources to be posted)."""
 
@@ -512,6 +517,9 @@ class Endpoint:
             rx.staging = None
             target = span
         fut: asyncio.Future[None] = self._loop.create_future()
+        # A failure is re-raised to the receiver that awaits it; when none does (it was
+        # cancelled, or the READ was a prefetch), do not log it as never retrieved.
+        fut.add_done_callback(_consume_exception)
         rx.read_fut = fut
         wr = SendWR(0, WROpcode.RDMA_READ, [SGE(target.addr, rx.length, target.lkey)],
                     remote_addr=rx.addr, rkey=rx.rkey)

@@ -36,8 +36,12 @@ async def main(args: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    async with listener:
-        await stop.wait()
+    await stop.wait()
+    listener.close()
+    try:  # let connected clients' handlers finish, but do not hang on them
+        await asyncio.wait_for(listener.wait_closed(), 10)
+    except TimeoutError:
+        print("echo_server: connections still open at exit", file=sys.stderr)
     return 0
 
 

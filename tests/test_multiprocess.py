@@ -27,6 +27,16 @@ def _env(provider: str) -> dict[str, str]:
     return env
 
 
+def _stop(proc: subprocess.Popen[str]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+        pytest.fail("the echo server did not exit within 30 s of SIGTERM")
+
+
 def _start_server(provider: str, *extra: str) -> tuple[subprocess.Popen[str], int]:
     proc = subprocess.Popen([sys.executable, str(EX / "echo_server.py"), "--host", HOST,
                              "--port", "0", *extra], stdout=subprocess.PIPE, text=True,
@@ -52,8 +62,7 @@ def test_echo_example_two_processes_0_to_64MiB(provider_name: str) -> None:
         assert len(lines) == 7, r.stdout
         assert "67108864 B" in lines[-1]
     finally:
-        server.terminate()
-        server.wait(10)
+        _stop(server)
 
 
 @pytest.mark.timeout(120)
