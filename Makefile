@@ -24,7 +24,9 @@ echo: setup
 test-fast: setup
 	AIORDMA_PROVIDER=soft $(PY) -m pytest -q
 
-test: test-fast
+## The test command (README, .ci/run): the fast tier, then the same suite on real verbs
+## (rdma_rxe) inside the Soft-RoCE VM.
+test: test-fast test-rxe
 
 lint: setup
 	$(PY) -m ruff check aiordma tests examples benchmarks
