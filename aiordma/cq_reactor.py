@@ -82,7 +82,8 @@ def poll_settings(mode: str | None = None, spin_us: int | None = None) -> tuple[
 class _CQSlot:
     """One CQ, its channel, and the capacity reserved on it."""
 
-    __slots__ = ("cq", "channel", "capacity", "reserved", "unacked", "fd")
+    __slots__ = ("cq", "channel", "capacity", "reserved", "unacked", "fd", "progress_fd",
+                 "progress")
 
     def __init__(self, cq: CQ, channel: CompChannel, capacity: int) -> None:
         self.cq = cq
@@ -91,6 +92,8 @@ class _CQSlot:
         self.reserved = 0
         self.unacked = 0
         self.fd = channel.fd
+        self.progress_fd = -1
+        self.progress: Callable[..., int] | None = None
 
 
 def future_handler(wc: WC, fut: asyncio.Future[WC]) -> None:
@@ -165,7 +168,11 @@ class CQReactor:
                 return slot.cq
         capacity = max(self.cq_size, need)
         channel = self.ctx.create_comp_channel()
+        # Manual progress (optional provider capability, the soft device): this thread
+        # moves the device's bytes when the channel's progress fd is readable.
+        start = getattr(channel, "start_progress", None)
         try:
+            pfd = start() if start is not None else None
             cq = self.ctx.create_cq(capacity, channel)
         except BaseException:
             channel.close()
@@ -175,6 +182,10 @@ class CQReactor:
         self._slots.append(slot)
         cq.req_notify()
         self.loop.add_reader(slot.fd, self._on_readable, slot)
+        if pfd is not None and pfd >= 0:
+            slot.progress_fd = pfd
+            slot.progress = channel.progress  # type: ignore[attr-defined]
+            self.loop.add_reader(pfd, self._on_progress, slot)
         return cq
 
     def release_cq(self, cq: CQ, entries: int) -> None:
@@ -201,6 +212,13 @@ class CQReactor:
         return len(self._table)
 
     # -- the completion path ---------------------------------------------------------
+    def _on_progress(self, slot: _CQSlot) -> None:
+        """The provider has bytes to move (manual progress): move them here, then
+        collect the events and completions they produced."""
+        assert slot.progress is not None
+        slot.progress(True)
+        self._on_readable(slot)
+
     def _on_readable(self, slot: _CQSlot) -> None:
         self.wakeups += 1
         channel = slot.channel
@@ -323,6 +341,8 @@ class CQReactor:
         for slot in self._slots:
             if not self.loop.is_closed():
                 self.loop.remove_reader(slot.fd)
+                if slot.progress_fd >= 0:
+                    self.loop.remove_reader(slot.progress_fd)
             while slot.channel.get_event() is not None:
                 slot.unacked += 1
             if slot.unacked:

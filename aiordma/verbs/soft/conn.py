@@ -1,9 +1,13 @@
 """One TCP connection of the soft device: an output queue and an input parser.
 
-Threading: only the NIC thread reads the socket, registers it with the selector and
-closes it. Output (``send``) may come from any thread with the device lock held: when
-nothing is queued the caller writes straight to the socket (the latency fast path);
-whatever the kernel does not take is queued and the NIC thread is asked to finish it.
+Threading: a connection has a *driver*: the NIC thread (``driver is None``: the socket
+is in the engine's selector) or a completion channel in manual-progress mode (the
+socket is in the channel's epoll set and the thread that polls the channel -- the
+event loop -- reads it; see ``cq.SoftCompChannel.progress``). Input is processed by
+one thread at a time (``_busy``); only the NIC thread closes the socket. Output
+(``send``) may come from any thread with the device lock held: when nothing is queued
+the caller writes straight to the socket (the latency fast path); whatever the kernel
+does not take is queued and the driver is asked to finish it.
 
 Input: bytes are read into a staging buffer and parsed there; a payload goes to its
 ``Sink`` (a list of memoryview slices of registered memory). Bytes of a payload that
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import selectors
 import socket
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -24,6 +29,7 @@ from typing import TYPE_CHECKING, Protocol
 from . import wire
 
 if TYPE_CHECKING:
+    from .cq import SoftCompChannel
     from .engine import Engine
 
 STAGE_SIZE = 256 * 1024
@@ -119,6 +125,8 @@ class Conn:
         self._wpos = 0
         self._sink: Sink | None = None
         self._short = False
+        self._busy = False  # a thread is processing input (device lock protects the flag)
+        self.driver: SoftCompChannel | None = None
         engine.conns.add(self)
 
     def __repr__(self) -> str:
@@ -165,7 +173,7 @@ class Conn:
         if self.want_write:
             return
         self.want_write = True
-        if self.engine.in_nic_thread():
+        if self.driver is not None or self.engine.in_nic_thread():
             self._update_sel()
         elif not self._write_requested:
             self._write_requested = True
@@ -183,6 +191,8 @@ class Conn:
         self.state = CLOSING
         self.reading = False
         self.out.clear()
+        if self.driver is not None:
+            self._update_sel()  # an EOF'd socket stays readable: stop polling it now
         self.engine.call_soon(self._close_now)
 
     def shutdown(self, graceful: bool = True) -> None:
@@ -214,7 +224,10 @@ class Conn:
         self._sink = None
         self.engine.conns.discard(self)
         if self._sel_events:
-            self.engine.selector_unregister(self)
+            if self.driver is not None:
+                self.driver._set_interest(self, 0)
+            else:
+                self.engine.selector_unregister(self)
             self._sel_events = 0
         if self.sock is not None:
             try:
@@ -226,7 +239,8 @@ class Conn:
             owner.conn_closed(self)
 
     def _update_sel(self) -> None:
-        """NIC thread: make the selector registration match ``reading``/``want_write``."""
+        """Make the registration match ``reading``/``want_write``: in the driver channel's
+        epoll set (any thread, lock held) or the NIC selector (NIC thread only)."""
         if self.state == CLOSED or self.sock is None:
             return
         ev = 0
@@ -235,12 +249,29 @@ class Conn:
         if self.want_write or self.state == CONNECTING:
             ev |= selectors.EVENT_WRITE
         if ev != self._sel_events:
-            self.engine.selector_set(self, self._sel_events, ev)
+            if self.driver is not None:
+                self.driver._set_interest(self, ev)
+            else:
+                self.engine.selector_set(self, self._sel_events, ev)
             self._sel_events = ev
+
+    def set_driver(self, channel: SoftCompChannel | None) -> None:
+        """Hand the socket to ``channel`` (manual progress) or to the NIC thread. NIC
+        thread (or before the socket is registered anywhere), lock held."""
+        if channel is self.driver:
+            return
+        if self._sel_events and self.sock is not None and self.state != CLOSED:
+            if self.driver is not None:
+                self.driver._set_interest(self, 0)
+            else:
+                self.engine.selector_unregister(self)
+            self._sel_events = 0
+        self.driver = channel
+        self._update_sel()
 
     def pause_reading(self) -> None:
         self.reading = False
-        if self.engine.in_nic_thread():
+        if self.driver is not None or self.engine.in_nic_thread():
             self._update_sel()
 
     def resume_reading(self) -> None:
@@ -288,8 +319,20 @@ class Conn:
             lock.acquire()
 
     def on_readable(self) -> None:
-        """NIC thread, device lock NOT held: read and dispatch as much as the budget allows."""
+        """The driver's thread, device lock NOT held: read and dispatch as much as the
+        budget allows. One thread at a time: a second caller returns at once (the
+        socket stays readable, so its driver comes back for what is left)."""
         lock = self.engine.lock
+        with lock:
+            if self._busy:
+                return
+            self._busy = True
+        try:
+            self._read_input(lock)
+        finally:
+            self._busy = False
+
+    def _read_input(self, lock: threading.Lock) -> None:
         sock = self.sock
         if sock is None:
             return

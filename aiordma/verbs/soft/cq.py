@@ -3,11 +3,31 @@
 Producers (the NIC thread, or a caller's thread posting to a QP in ERR) call
 ``SoftCQ.push`` with the device lock held. ``poll`` takes the lock only when the queue
 is non-empty, so an idle busy-poll costs no lock traffic.
+
+Manual progress
+---------------
+By default the NIC thread moves every byte: it reads the sockets, executes requests,
+pushes completions and raises the channel's pipe; the application's thread then wakes
+up, takes the GIL from the NIC thread and polls. Each message costs two thread
+wake-ups and GIL hand-offs. ``SoftCompChannel.start_progress()`` (called by the
+reactor on the event loop's thread) switches a channel to *manual progress*, as
+libfabric calls it: the sockets of the QPs whose CQs use the channel (created or bound
+after the call) go into the channel's own epoll set, whose fd the loop watches next
+to the channel fd; ``progress()`` -- called by the loop on that fd's readiness, and by
+``poll`` on an empty CQ -- reads them on the loop's thread, so the wake-up that
+delivers the bytes also delivers the completions, with no thread hand-off and no pipe
+write. The one-sided guarantee (a target serves READ/WRITE/atomics without its
+application) is kept by the NIC thread's watchdog: when a channel's sockets stay
+readable for two watchdog ticks (``engine.WATCHDOG_S``) without a ``progress`` call
+(the loop is blocked or gone), the NIC thread takes the channel over until the
+application polls again.
 """
 
 from __future__ import annotations
 
 import errno
+import select
+import threading
 import time
 from collections import deque
 from typing import TYPE_CHECKING
@@ -19,8 +39,13 @@ from ..wr import WC
 from .notify import PipeFlag
 
 if TYPE_CHECKING:
+    from .conn import Conn
     from .context import SoftContext
     from .qpcore import QPCore as SoftQP
+
+_EPOLLIN = select.EPOLLIN
+_EPOLLOUT = select.EPOLLOUT
+_EPOLL_IN_ERR = select.EPOLLIN | select.EPOLLERR | select.EPOLLHUP
 
 _ARM_NONE = 0
 _ARM_ANY = 1
@@ -36,11 +61,130 @@ class SoftCompChannel(CompChannel):
         self._events: deque[SoftCQ] = deque()
         self._ncqs = 0
         self._closed = False
+        # manual progress (start_progress)
+        self._ep: select.epoll | None = None
+        self.progress_fd = -1
+        self._conns: dict[int, Conn] = {}  # fd -> connection driven by this channel
+        self._consumer = 0  # thread id of the poller (the event loop)
+        self._quiet = False  # in progress(quiet=True): events need no pipe write
+        self._serviced = 0  # progress() calls by the consumer (the watchdog's clock)
+        self._seen = -1  # _serviced at the watchdog's last tick
+        self._suspect = False
+        self.takeover = False  # the NIC thread drives the sockets (consumer stalled)
 
     def _post(self, cq: SoftCQ) -> None:
         """Queue an event for ``cq`` (device lock held)."""
         self._events.append(cq)
-        self._flag.raise_()
+        if not (self._quiet and threading.get_ident() == self._consumer):
+            self._flag.raise_()
+
+    # --- manual progress -----------------------------------------------------------------
+    def start_progress(self) -> int:
+        """Switch to manual progress driven by the calling thread; returns the fd to
+        watch (readable when ``progress()`` has work). Idempotent."""
+        with self._lock:
+            if self._closed:
+                raise RDMAError(errno.EBADF, "completion channel is closed")
+            if self._ep is None:
+                self._ep = select.epoll()
+                self.progress_fd = self._ep.fileno()
+                self._ctx._engine.add_progress_channel(self)
+            self._consumer = threading.get_ident()
+            return self.progress_fd
+
+    @property
+    def manual(self) -> bool:
+        return self._ep is not None and not self._closed
+
+    def _set_interest(self, conn: Conn, ev: int) -> None:
+        """Register ``conn``'s socket for ``ev`` (selectors.EVENT_* bits) in our epoll
+        set; 0 removes it. Lock held, any thread."""
+        ep = self._ep
+        sock = conn.sock
+        if ep is None or sock is None:
+            return
+        fd = sock.fileno()
+        if fd < 0:
+            return
+        mask = (_EPOLLIN if ev & 1 else 0) | (_EPOLLOUT if ev & 2 else 0)
+        try:
+            if not mask:
+                if self._conns.pop(fd, None) is not None:
+                    ep.unregister(fd)
+            elif fd in self._conns:
+                ep.modify(fd, mask)
+            else:
+                ep.register(fd, mask)
+                self._conns[fd] = conn
+        except OSError:  # pragma: no cover - closed under us
+            self._conns.pop(fd, None)
+
+    def progress(self, quiet: bool = False) -> int:
+        """Move the bytes of every ready connection of this channel (reads, requests,
+        responses, completions, flushing queued output); returns the number of ready
+        sockets. Never blocks. ``quiet``: the caller reads every event with
+        ``get_event()`` right after, so events queued meanwhile need no pipe write."""
+        ep = self._ep
+        if ep is None:
+            return 0
+        me = threading.get_ident()
+        if me == self._consumer:
+            self._serviced += 1
+            if self.takeover:
+                self._ctx._engine.call_soon(self._end_takeover)
+        try:
+            ready = ep.poll(0)
+        except OSError:  # closed
+            return 0
+        if not ready:
+            return 0
+        conns = self._conns
+        lock = self._lock
+        if quiet and me == self._consumer:
+            self._quiet = True
+        try:
+            for fd, mask in ready:
+                conn = conns.get(fd)
+                if conn is None:
+                    continue
+                if mask & _EPOLLOUT:
+                    with lock:
+                        conn._on_writable()
+                if mask & _EPOLL_IN_ERR and conn.reading:
+                    conn.on_readable()
+        finally:
+            self._quiet = False
+        return len(ready)
+
+    def _watchdog(self) -> bool:
+        """NIC thread, lock held, every WATCHDOG_S: True when the consumer has not
+        called ``progress`` while our sockets stayed ready for two ticks."""
+        if self.takeover or self._ep is None or not self._conns:
+            self._suspect = False
+            return False
+        serviced = self._serviced != self._seen
+        self._seen = self._serviced
+        if serviced:
+            self._suspect = False
+            return False
+        try:
+            ready = bool(self._ep.poll(0))
+        except OSError:  # pragma: no cover
+            return False
+        if not ready:
+            self._suspect = False
+            return False
+        if not self._suspect:
+            self._suspect = True
+            return False
+        self._suspect = False
+        return True
+
+    def _end_takeover(self) -> None:
+        """NIC thread, lock held: the consumer polls again."""
+        if self.takeover:
+            self.takeover = False
+            self._ctx._engine.end_takeover(self)
 
     def _forget(self, cq: SoftCQ) -> None:
         """Drop the not-yet-read events of a destroyed CQ (device lock held)."""
@@ -67,6 +211,18 @@ class SoftCompChannel(CompChannel):
                 raise RDMAError(errno.EBUSY, f"completion channel still used by {self._ncqs} CQ(s)")
             self._closed = True
             self._events.clear()
+            ep, self._ep = self._ep, None
+            if ep is not None:
+                engine = self._ctx._engine
+                engine.remove_progress_channel(self)
+                for conn in list(self._conns.values()):
+                    # a closing connection (its QP is gone) lingers on the NIC thread
+                    conn.driver = None
+                    conn._sel_events = 0
+                    engine.call_soon(conn._update_sel)
+                self._conns.clear()
+        if ep is not None:
+            ep.close()
         self._flag.close()
         self._ctx._children_changed(self, alive=False)
 
@@ -129,10 +285,14 @@ class SoftCQ(CQ):
         if not self._q:
             if self._overrun:
                 raise CQOverrunError()
-            # Yield the GIL once: a caller busy-polling in pure Python would otherwise keep
-            # the NIC thread (which produces the completions) waiting for the GIL for a
-            # whole switch interval (5 ms).
-            time.sleep(0)
+            ch = self.channel
+            if ch is not None and ch._ep is not None and threading.get_ident() == ch._consumer:
+                ch.progress()  # manual progress: polling moves the bytes
+            else:
+                # Yield the GIL once: a caller busy-polling in pure Python would otherwise
+                # keep the NIC thread (which produces the completions) waiting for the GIL
+                # for a whole switch interval (5 ms).
+                time.sleep(0)
             if not self._q:
                 return []
         out: list[WC] = []

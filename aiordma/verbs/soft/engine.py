@@ -36,11 +36,15 @@ from .conn import CONNECTING, OPEN, Conn
 from .mr import KeyTable
 
 if TYPE_CHECKING:
+    from .cq import SoftCompChannel
     from .qp import SoftQP
 
 log = logging.getLogger("aiordma.soft")
 
 HELLO_TIMEOUT_S = 10.0
+#: how often the NIC thread checks the channels in manual progress (cq.py): a channel
+#: whose sockets stay ready for two ticks without being polled is taken over
+WATCHDOG_S = 0.01
 
 
 class _Wake:
@@ -77,6 +81,16 @@ class _Listener:
                 conn.peer = peer[:2]
                 conn._update_sel()
                 e.call_at(time.monotonic() + HELLO_TIMEOUT_S, functools.partial(e._hello_timeout, conn))
+
+
+class _Takeover:
+    """Selector entry of a manual-progress channel the NIC thread drives for now."""
+
+    def __init__(self, channel: SoftCompChannel) -> None:
+        self.channel = channel
+
+    def on_event(self, mask: int) -> None:
+        self.channel.progress()
 
 
 def _tune(sock: socket.socket) -> None:
@@ -120,6 +134,8 @@ class Engine:
         self._seq = itertools.count()
         self._planned_wake = 0.0
         self._stopping = False
+        self._progress_channels: set[SoftCompChannel] = set()
+        self._next_watch = 0.0
         self.sel.register(self._wake_r, selectors.EVENT_READ, _Wake(self))
         self.sel.register(ls, selectors.EVENT_READ, _Listener(self))
         self.refs = 0
@@ -150,6 +166,42 @@ class Engine:
         heapq.heappush(self._timers, (when, next(self._seq), fn))
         if when < self._planned_wake and threading.get_ident() != self._tid:
             self._wake()
+
+    # --- manual progress (cq.SoftCompChannel) -------------------------------------------------
+    def add_progress_channel(self, ch: SoftCompChannel) -> None:
+        """Lock held: watch ``ch`` (the watchdog runs while any channel is registered)."""
+        self._progress_channels.add(ch)
+        if threading.get_ident() != self._tid:
+            self._wake()  # recompute the select timeout
+
+    def remove_progress_channel(self, ch: SoftCompChannel) -> None:
+        """Lock held."""
+        self._progress_channels.discard(ch)
+        if ch.takeover:
+            ch.takeover = False
+            fd = ch.progress_fd
+            self.call_soon(lambda: self._sel_drop(fd))
+
+    def _sel_drop(self, fd: int) -> None:
+        try:
+            self.sel.unregister(fd)
+        except (KeyError, ValueError, OSError):
+            pass
+
+    def _watch(self) -> None:
+        """NIC thread, lock held: take over the channels whose consumer stalled."""
+        for ch in self._progress_channels:
+            if ch._watchdog():
+                ch.takeover = True
+                log.debug("soft device: %r not polled; the NIC thread drives it", ch)
+                try:
+                    self.sel.register(ch.progress_fd, selectors.EVENT_READ, _Takeover(ch))
+                except (KeyError, ValueError, OSError):  # pragma: no cover
+                    ch.takeover = False
+
+    def end_takeover(self, ch: SoftCompChannel) -> None:
+        """NIC thread, lock held: the channel's consumer polls again."""
+        self._sel_drop(ch.progress_fd)
 
     def alloc_qpn(self) -> int:
         while True:
@@ -257,13 +309,12 @@ class Engine:
                 if self._calls:
                     timeout: float | None = 0.0
                     self._planned_wake = 0.0
-                elif self._timers:
-                    when = self._timers[0][0]
-                    self._planned_wake = when
-                    timeout = max(0.0, when - time.monotonic())
                 else:
-                    self._planned_wake = float("inf")
-                    timeout = None
+                    when = self._timers[0][0] if self._timers else float("inf")
+                    if self._progress_channels:
+                        when = min(when, self._next_watch)
+                    self._planned_wake = when
+                    timeout = None if when == float("inf") else max(0.0, when - time.monotonic())
             try:
                 events = sel.select(timeout)
             except OSError:  # pragma: no cover
@@ -286,6 +337,9 @@ class Engine:
                     except Exception:  # pragma: no cover
                         log.exception("soft device: callback %r failed", fn)
                 now = time.monotonic()
+                if self._progress_channels and now >= self._next_watch:
+                    self._next_watch = now + WATCHDOG_S
+                    self._watch()
                 timers = self._timers
                 while timers and timers[0][0] <= now:
                     _, _, fn = heapq.heappop(timers)

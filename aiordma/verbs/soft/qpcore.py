@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from ..api import QP, AHAttr, AsyncEvent, QPCap
 from ..enums import Access, EventType, QPState, WCFlags, WCOpcode, WCStatus
 from ..wr import SGE, WC
+from . import wire
 
 if TYPE_CHECKING:
     from .conn import Conn, Sink
@@ -189,6 +190,12 @@ class QPCore(QP):
     def _drop_conns(self, graceful: bool) -> None:
         req, self._req_conn = self._req_conn, None
         resp, self._resp_conn = self._resp_conn, None
+        if graceful and resp is not None and self._ack_pending >= 0:
+            # Requests executed (and maybe already consumed by the application) but not
+            # acknowledged yet, because the thread that ran them has not reached the end
+            # of its input batch: acknowledge them before the connection goes.
+            resp.send([wire.pack(wire.OP_ACK, self._ack_pending)])
+            self._ack_pending = -1
         if req is not None:
             req.shutdown(graceful=False)
         if resp is not None:

@@ -34,6 +34,9 @@ class Requester(QPCore):
         gids = engine.gids
         sgid = gids[ah.sgid_index] if 0 <= ah.sgid_index < len(gids) else gids[0]
         conn = Conn(engine, None, self, expect_hello=False, state=CONNECTING)
+        ch = self.send_cq.channel
+        if ch is not None and ch.manual:
+            conn.driver = ch  # responses complete on the send CQ: its poller reads them
         conn.send([wire.pack_hello(engine.port, self.qp_num, self._dest_qpn, sgid)])
         dgid, dport = bytes(ah.dgid), ah.dlid
         engine.call_soon(lambda: engine.start_connect(conn, dgid, dport))
