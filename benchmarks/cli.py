@@ -125,9 +125,24 @@ def _drain(stream: Any, sink: list[str]) -> threading.Thread:
 
 
 def run_pair(transport: str, cfg: Config) -> tuple[list[Result], dict[str, Any]]:
-    """Run one transport's tests with a server and a client process."""
+    """Run one transport's tests with a server and a client process; after a failed
+    test, a new pair of processes runs the rest."""
+    results: list[Result] = []
+    stats: dict[str, Any] = {}
+    total = len(cfg.items())
+    while len(results) < total:
+        cfg.skip = len(results)
+        res, stats = _run_pair_once(transport, cfg)
+        cfg.skip = 0
+        if not res:
+            break
+        results += res
+    return results, stats
+
+
+def _run_pair_once(transport: str, cfg: Config) -> tuple[list[Result], dict[str, Any]]:
     cmd = [sys.executable, "-m", "benchmarks.worker"]
-    n_tests = sum(len(test_sizes(t, cfg.sizes)) for t in cfg.tests if t in TWO_PROCESS_TESTS)
+    n_tests = len(cfg.items()) - cfg.skip
     budget = n_tests * test_timeout(cfg) + 60
     server = subprocess.Popen([*cmd, "server", transport, cfg.to_json()], cwd=ROOT, env=_env(),
                               stdout=subprocess.PIPE, text=True)

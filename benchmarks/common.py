@@ -121,6 +121,12 @@ class Config:
     device: str | None = None
     poll_mode: str | None = None
     spin_us: int | None = None
+    skip: int = 0  # (test, size) items already done (a pair restarted after a failure)
+
+    def items(self) -> list[tuple[str, int]]:
+        """Every (test, size) of the two-process tests, in run order."""
+        return [(t, s) for t in self.tests if t in TWO_PROCESS_TESTS
+                for s in test_sizes(t, self.sizes)]
 
     def iters_for(self, test: str, size: int) -> tuple[int, int]:
         """(warmup, measured) operation counts: --iters, but at most --max-bytes of data

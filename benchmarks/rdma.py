@@ -93,23 +93,34 @@ class RdmaServer:
         while True:
             n = await ep.recv_into(view)
             await ep.send(view[:n])
-            self.received += 1
+            self._count()
 
     async def _sink(self, ep: aiordma.Endpoint) -> None:
         view = memoryview(self.rbuf)
         while True:
             await ep.recv_into(view)
-            self.received += 1
-            if self.reached is not None and self.received >= self.target \
-                    and not self.reached.done():
-                self.reached.set_result(None)
+            self._count()
+
+    def _count(self) -> None:
+        self.received += 1
+        if self.reached is not None and self.received >= self.target \
+                and not self.reached.done():
+            self.reached.set_result(None)
 
     async def _wait_received(self, n: int, timeout: float) -> None:
         if self.received >= n:
             return
         self.target = n
         self.reached = asyncio.get_running_loop().create_future()
-        await bounded(self.reached, timeout, f"server receiving {n} messages")
+        try:
+            await bounded(self.reached, timeout, f"server receiving {n} messages")
+        except TimeoutError:
+            ep = self.ep
+            if ep is not None:
+                import sys
+                print(f"bench server: stuck at {self.received} of {n}: {ep.statistics()} "
+                      f"task={self._task}", file=sys.stderr, flush=True)
+            raise
         self.reached = None
 
     async def mark(self, sent_msgs: int, sent_bytes: int, timeout: float) -> None:
