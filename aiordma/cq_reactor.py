@@ -83,7 +83,7 @@ class _CQSlot:
     """One CQ, its channel, and the capacity reserved on it."""
 
     __slots__ = ("cq", "channel", "capacity", "reserved", "unacked", "fd", "progress_fd",
-                 "progress")
+                 "progress", "flush_scheduled")
 
     def __init__(self, cq: CQ, channel: CompChannel, capacity: int) -> None:
         self.cq = cq
@@ -94,6 +94,7 @@ class _CQSlot:
         self.fd = channel.fd
         self.progress_fd = -1
         self.progress: Callable[..., int] | None = None
+        self.flush_scheduled = False
 
 
 def future_handler(wc: WC, fut: asyncio.Future[WC]) -> None:
@@ -214,10 +215,20 @@ class CQReactor:
     # -- the completion path ---------------------------------------------------------
     def _on_progress(self, slot: _CQSlot) -> None:
         """The provider has bytes to move (manual progress): move them here, then
-        collect the events and completions they produced."""
+        collect the events and completions they produced. Work the provider deferred
+        (coalesced acknowledgements) is flushed after the callbacks this dispatch
+        scheduled have run, so that it can ride on what the application sends."""
         assert slot.progress is not None
         slot.progress(True)
         self._on_readable(slot)
+        if not slot.flush_scheduled and slot.channel.flush_wanted:  # type: ignore[attr-defined]
+            slot.flush_scheduled = True
+            self.loop.call_soon(self._flush, slot)
+
+    def _flush(self, slot: _CQSlot) -> None:
+        slot.flush_scheduled = False
+        if not self._closed:
+            slot.channel.flush()  # type: ignore[attr-defined]
 
     def _on_readable(self, slot: _CQSlot) -> None:
         self.wakeups += 1
@@ -276,7 +287,10 @@ class CQReactor:
     def _spin(self, slot: _CQSlot) -> None:
         self.spins += 1
         deadline = time.perf_counter() + self.spin_us * 1e-6
+        progress = slot.progress
         while self._table and time.perf_counter() < deadline:
+            if progress is not None:
+                progress(False)
             if self._drain(slot):
                 self.spin_hits += 1
                 deadline = time.perf_counter() + self.spin_us * 1e-6
@@ -291,6 +305,8 @@ class CQReactor:
         if self._closed:
             return
         for slot in self._slots:
+            if slot.progress is not None:
+                slot.progress(False)
             self._drain(slot)
         if self._table:
             self._schedule_poll()

@@ -126,6 +126,7 @@ class Conn:
         self._sink: Sink | None = None
         self._short = False
         self._busy = False  # a thread is processing input (device lock protects the flag)
+        self.requests_sent = False  # a requester sent requests on it (no longer swappable)
         self.driver: SoftCompChannel | None = None
         engine.conns.add(self)
 

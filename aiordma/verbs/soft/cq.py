@@ -13,8 +13,8 @@ wake-ups and GIL hand-offs. ``SoftCompChannel.start_progress()`` (called by the
 reactor on the event loop's thread) switches a channel to *manual progress*, as
 libfabric calls it: the sockets of the QPs whose CQs use the channel (created or bound
 after the call) go into the channel's own epoll set, whose fd the loop watches next
-to the channel fd; ``progress()`` -- called by the loop on that fd's readiness, and by
-``poll`` on an empty CQ -- reads them on the loop's thread, so the wake-up that
+to the channel fd; ``progress()`` -- called by the loop on that fd's readiness and
+while it busy-polls -- reads them on the loop's thread, so the wake-up that
 delivers the bytes also delivers the completions, with no thread hand-off and no pipe
 write. The one-sided guarantee (a target serves READ/WRITE/atomics without its
 application) is kept by the NIC thread's watchdog: when a channel's sockets stay
@@ -30,7 +30,7 @@ import select
 import threading
 import time
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ...errors import CQOverrunError, RDMAError
 from ..api import CQ, AsyncEvent, CompChannel
@@ -71,6 +71,7 @@ class SoftCompChannel(CompChannel):
         self._seen = -1  # _serviced at the watchdog's last tick
         self._suspect = False
         self.takeover = False  # the NIC thread drives the sockets (consumer stalled)
+        self._acks: set[Any] = set()  # QPs whose coalesced ACK waits for flush()
 
     def _post(self, cq: SoftCQ) -> None:
         """Queue an event for ``cq`` (device lock held)."""
@@ -156,6 +157,30 @@ class SoftCompChannel(CompChannel):
             self._quiet = False
         return len(ready)
 
+    def defer_ack(self, qp: Any) -> bool:
+        """Lock held. Inside the consumer's ``progress(quiet=True)``: keep ``qp``'s ACK
+        for ``flush()`` -- the application usually answers first, and the ACK then
+        rides in the same write as the answer -- and return True."""
+        if self._quiet and threading.get_ident() == self._consumer:
+            self._acks.add(qp)
+            return True
+        return False
+
+    @property
+    def flush_wanted(self) -> bool:
+        """True when ``flush()`` has deferred work (the caller runs it once the
+        application has reacted to what ``progress()`` delivered)."""
+        return bool(self._acks)
+
+    def flush(self) -> None:
+        """Send the deferred ACKs that nothing carried meanwhile."""
+        if not self._acks:
+            return
+        with self._lock:
+            acks, self._acks = self._acks, set()
+            for qp in acks:
+                qp._flush_ack()
+
     def _watchdog(self) -> bool:
         """NIC thread, lock held, every WATCHDOG_S: True when the consumer has not
         called ``progress`` while our sockets stayed ready for two ticks."""
@@ -167,6 +192,10 @@ class SoftCompChannel(CompChannel):
         if serviced:
             self._suspect = False
             return False
+        if self._acks:  # deferred ACKs the stalled consumer never flushed
+            acks, self._acks = self._acks, set()
+            for qp in acks:
+                qp._flush_ack()
         try:
             ready = bool(self._ep.poll(0))
         except OSError:  # pragma: no cover
@@ -287,12 +316,11 @@ class SoftCQ(CQ):
                 raise CQOverrunError()
             ch = self.channel
             if ch is not None and ch._ep is not None and threading.get_ident() == ch._consumer:
-                ch.progress()  # manual progress: polling moves the bytes
-            else:
-                # Yield the GIL once: a caller busy-polling in pure Python would otherwise
-                # keep the NIC thread (which produces the completions) waiting for the GIL
-                # for a whole switch interval (5 ms).
-                time.sleep(0)
+                return []  # manual progress: the consumer calls progress() to move bytes
+            # Yield the GIL once: a caller busy-polling in pure Python would otherwise
+            # keep the NIC thread (which produces the completions) waiting for the GIL
+            # for a whole switch interval (5 ms).
+            time.sleep(0)
             if not self._q:
                 return []
         out: list[WC] = []

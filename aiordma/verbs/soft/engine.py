@@ -81,6 +81,7 @@ class _Listener:
                 conn.peer = peer[:2]
                 conn._update_sel()
                 e.call_at(time.monotonic() + HELLO_TIMEOUT_S, functools.partial(e._hello_timeout, conn))
+            conn.on_readable()  # the hello usually came with the connection: bind it now
 
 
 class _Takeover:

@@ -86,27 +86,36 @@ class SoftQP(Requester, Responder):
 
     # --- connection owner ------------------------------------------------------------
     def conn_header(self, conn: Conn, h: tuple[int, ...]) -> Sink | None:
-        if conn is self._resp_conn:
-            if h[0] not in wire.REQUEST_OPS:
-                conn.fail()  # not our protocol: drop the connection
-                return None
+        # One connection may carry both directions (see wire: the peer adopted ours):
+        # requests go to the responder half, responses to the requester half.
+        op = h[0]
+        if op in wire.REQUEST_OPS:
+            if conn is not self._resp_conn:
+                if conn is self._req_conn:
+                    # the peer sends its requests on our connection (it dropped its own)
+                    if self._resp_conn is not None:
+                        self._flush_ack()
+                    self._resp_conn = conn
+                else:
+                    conn.fail()  # not our protocol: drop the connection
+                    return None
             return self._on_request(conn, h)
-        if conn is self._req_conn:
-            if h[0] not in wire.RESPONSE_OPS:
-                conn.fail()
-                return None
+        if op in wire.RESPONSE_OPS and conn is self._req_conn:
             return self._on_response(conn, h)
-        return discard(h[4]) if h[0] in wire.PAYLOAD_OPS else None
+        if conn is self._req_conn or conn is self._resp_conn:
+            conn.fail()
+            return None
+        return discard(h[4]) if op in wire.PAYLOAD_OPS else None
 
     def conn_batch_end(self, conn: Conn) -> None:
         if conn is self._resp_conn:
             self._resp_batch_end(conn)
 
     def conn_closed(self, conn: Conn) -> None:
+        if conn is self._resp_conn:
+            self._resp_conn = None
         if conn is self._req_conn:
             self._req_conn_closed(conn)
-        elif conn is self._resp_conn:
-            self._resp_conn = None
 
     # --- verbs ---------------------------------------------------------------------------
     @property
@@ -144,7 +153,7 @@ class SoftQP(Requester, Responder):
                 self._epsn = attr.rq_psn & wire.PSN_MASK
                 self._min_rnr_timer = attr.min_rnr_timer
                 self._state = QPState.RTR
-                self._connect()
+                self._connect(lazy=True)
                 qpn = self.qp_num
                 engine.call_soon(lambda: engine.release_held(qpn))
             else:  # RTS
@@ -170,6 +179,7 @@ class SoftQP(Requester, Responder):
         self._rnr_wait = False
         self._ack_armed = False
         self._ack_pending = -1
+        self._conn_wait = False
         self._state = QPState.RESET
 
     def post_send(self, wrs: list[SendWR]) -> None:

@@ -118,6 +118,7 @@ class QPCore(QP):
         self._ack_armed = False
         self._progress = 0.0
         self._ack_pending = -1
+        self._conn_wait = False  # requests wait for the peer's connection (requester)
 
     # --- connection owner (qp.SoftQP) ----------------------------------------------------
     def conn_header(self, conn: Conn, h: tuple[int, ...]) -> Sink | None:
@@ -128,6 +129,14 @@ class QPCore(QP):
 
     def conn_closed(self, conn: Conn) -> None:
         raise NotImplementedError
+
+    # --- connections -------------------------------------------------------------------
+    def _peer_connects(self) -> bool:
+        """Of a QP pair, the QP with the smaller (device port, QPN) opens the connection
+        both use; the other one waits for it (wire: Connections)."""
+        ah = self._ah
+        assert ah is not None
+        return (ah.dlid, self._dest_qpn) < (self._engine.port, self.qp_num)
 
     # --- completions -------------------------------------------------------------------
     def _sq_complete(self, w: SWQE, status: WCStatus, byte_len: int = 0) -> None:
@@ -196,7 +205,7 @@ class QPCore(QP):
             # of its input batch: acknowledge them before the connection goes.
             resp.send([wire.pack(wire.OP_ACK, self._ack_pending)])
             self._ack_pending = -1
-        if req is not None:
+        if req is not None and req is not resp:
             req.shutdown(graceful=False)
         if resp is not None:
             resp.shutdown(graceful=graceful)

@@ -11,11 +11,14 @@ import time
 
 from ..enums import QPState, WCStatus
 from . import wire
-from .conn import CLOSING, CONNECTING, Conn, Sink, discard
+from .conn import CLOSING, CONNECTING, OPEN, Conn, Sink, discard
 from .qpcore import QPCore, scatter
 
 #: floor of the ACK timeout: a Python peer can stall this long (GC, GIL) and still be alive
 MIN_ACK_TIMEOUT_S = 1.0
+#: how long requests wait for the connection the peer QP opens (wire: Connections)
+#: before this QP opens one itself
+PEER_CONNECT_WAIT_S = 0.05
 
 _NAK_STATUS = {
     wire.NAK_INV_REQ: WCStatus.REM_INV_REQ_ERR,
@@ -26,11 +29,24 @@ _NAK_STATUS = {
 
 class Requester(QPCore):
     # --- connection ------------------------------------------------------------------------
-    def _connect(self) -> Conn:
-        """Open the requester connection to the peer QP (non-blocking, on the NIC thread)."""
+    def _connect(self, lazy: bool = False) -> Conn | None:
+        """The requester connection to the peer QP: the peer's own connection to us when
+        it has one (one TCP stream then carries both directions), else a new one
+        (non-blocking, opened on the NIC thread). ``lazy`` (at RTR): None when the peer
+        is the one to connect -- the first request connects anyway if it has not."""
         ah = self._ah
         assert ah is not None
         engine = self._engine
+        dest = self._dest_qpn
+        resp = self._resp_conn
+        cands = ([resp] if resp is not None else []) + engine._held.get(self.qp_num, [])
+        for c in cands:
+            if c.state == OPEN and c.hello is not None and c.hello[0] == dest:
+                c.owner = self  # bound as our responder connection too (release_held)
+                self._req_conn = c
+                return c
+        if lazy and self._peer_connects():
+            return None
         gids = engine.gids
         sgid = gids[ah.sgid_index] if 0 <= ah.sgid_index < len(gids) else gids[0]
         conn = Conn(engine, None, self, expect_hello=False, state=CONNECTING)
@@ -42,6 +58,30 @@ class Requester(QPCore):
         engine.call_soon(lambda: engine.start_connect(conn, dgid, dport))
         self._req_conn = conn
         return conn
+
+    def _await_peer_conn(self) -> None:
+        """Requests are queued and the peer is the one to connect: give its connection a
+        moment to arrive (the NIC thread accepts it and binds it), then connect."""
+        if self._conn_wait:
+            return
+        self._conn_wait = True
+        gen = self._gen
+        deadline = time.monotonic() + PEER_CONNECT_WAIT_S
+
+        def check() -> None:
+            if gen != self._gen or self._state != QPState.RTS:
+                self._conn_wait = False
+                return
+            conn = self._req_conn
+            if conn is None or conn.state >= CLOSING:
+                conn = self._connect(lazy=time.monotonic() < deadline)
+                if conn is None:
+                    self._engine.call_at(min(time.monotonic() + 0.002, deadline), check)
+                    return
+            self._conn_wait = False
+            self._pump()
+
+        self._engine.call_soon(check)
 
     def _req_conn_closed(self, conn: Conn) -> None:
         self._req_conn = None
@@ -56,7 +96,10 @@ class Requester(QPCore):
             return
         conn = self._req_conn
         if conn is None or conn.state >= CLOSING:
-            conn = self._connect()
+            conn = self._connect(lazy=True)
+            if conn is None:
+                self._await_peer_conn()
+                return
         unsent = self._unsent
         inflight = self._inflight
         bufs: list[bytes | memoryview] = []
@@ -81,6 +124,10 @@ class Requester(QPCore):
             if w.op in wire.PAYLOAD_OPS:
                 bufs.extend(w.segs)
         if bufs:
+            conn.requests_sent = True
+            if self._ack_pending >= 0 and conn is self._resp_conn:
+                bufs.insert(0, wire.pack(wire.OP_ACK, self._ack_pending))  # piggyback
+                self._ack_pending = -1
             conn.send(bufs)
         self._arm_ack_timer()
 

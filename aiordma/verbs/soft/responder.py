@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from ..enums import Access, EventType, QPState, WCOpcode, WCStatus
 from . import wire
-from .conn import Conn, Sink, discard
+from .conn import CLOSING, Conn, Sink, discard
 from .qpcore import QPCore, scatter
 
 _M64 = 0xFFFFFFFFFFFFFFFF
@@ -34,16 +34,37 @@ class Responder(QPCore):
             conn.shutdown(graceful=False)
             return False
         old = self._resp_conn
-        if old is not None and old is not conn:
+        if old is not None and old is not conn and old is not self._req_conn:
             old.shutdown(graceful=False)
         conn.owner = self
         self._resp_conn = conn
         ch = self.recv_cq.channel
         conn.set_driver(ch if ch is not None and ch.manual else None)
+        req = self._req_conn
+        if req is None or req.state >= CLOSING:
+            self._req_conn = conn  # our requests travel on the peer's connection
+            if self._unsent and not self._conn_wait:
+                self._pump()  # type: ignore[attr-defined]
+        elif req is not conn and not req.requests_sent and self._peer_connects():
+            # Both QPs opened a connection (ours before the peer's arrived) and ours
+            # carried nothing yet: the one opened by the smaller (port, QPN) serves both
+            # directions; drop ours (the peer sees it close before any request).
+            self._req_conn = conn
+            req.shutdown(graceful=False)
         return True
 
     def _resp_batch_end(self, conn: Conn) -> None:
         if self._ack_pending >= 0:
+            ch = conn.driver
+            if ch is not None and ch.defer_ack(self):
+                return  # the loop answers soon: the ACK rides on that, or is flushed
+            conn.send([wire.pack(wire.OP_ACK, self._ack_pending)])
+            self._ack_pending = -1
+
+    def _flush_ack(self) -> None:
+        """Send the coalesced ACK now, unless something already carried it (lock held)."""
+        conn = self._resp_conn
+        if self._ack_pending >= 0 and conn is not None:
             conn.send([wire.pack(wire.OP_ACK, self._ack_pending)])
             self._ack_pending = -1
 

@@ -2,18 +2,27 @@
 
 Connections
 -----------
-Each RC QP opens one *requester connection* to the peer device when it moves to RTR.
-On it the QP's requests travel to the peer, and the peer's responses to those requests
-come back. The peer's own requests travel on the peer's requester connection, which is
-our *responder connection*. So a connected QP pair uses two TCP connections, and each
-stream carries requests in one direction and responses in the other, in order.
+A QP moving to RTR needs a *requester connection* to the peer QP: its requests travel
+on it to the peer, and the peer's responses to them come back on it, in order. If the
+peer QP already connected to us (it reached RTR first; its connection waits, held,
+for our RTR), we adopt that connection: one TCP stream then carries both directions,
+and each side tells requests from responses by opcode. Otherwise we open one, and the
+peer adopts it when it reaches RTR later -- or, when both opened one at the same time,
+each side's requests travel on its own connection and the other one carries the
+responses (the peer's requests arrive on our *responder connection*). The responder
+answers on the connection its requests came from.
 
-The first bytes on a requester connection are a ``HELLO``::
+The first bytes of a connection, from the side that opened it, are a ``HELLO``::
 
     magic "AIOSOFT1" | u16 version | u16 src_port | u32 src_qpn | u32 dst_qpn | 16s src_gid
 
-The responder device binds the connection to QP ``dst_qpn`` only if that QP exists, is
+The accepting device binds the connection to QP ``dst_qpn`` only if that QP exists, is
 (or becomes) RTR/RTS and its ``dest_qp_num`` is ``src_qpn``; otherwise it closes it.
+
+Acknowledgements are coalesced: one ACK per batch of input. When the application's
+event loop reads the input (manual progress, cq.py) the ACK waits until the loop has
+run the callbacks that input woke, so that it usually travels in the same write as
+the application's answer; it is sent on its own at the latest one loop iteration later.
 
 Messages
 --------
