@@ -1,14 +1,15 @@
-"""The ``soft`` provider: a software RDMA device with RC verbs semantics over TCP.
+"""The ``soft`` provider: a software RDMA device with RC verbs semantics over TCP (an
+abstract Unix socket between devices on one host; ``AIORDMA_SOFT_UNIX=0`` keeps TCP).
 
 Modules (one reason to change each):
 
 * ``wire``      -- the wire protocol (hello, message header, opcodes, PSN arithmetic)
-* ``addr``      -- configuration (AIORDMA_SOFT_ADDR/PORT), GID table, peer addresses
+* ``addr``      -- configuration (AIORDMA_SOFT_ADDR/PORT/UNIX), GID table, peer addresses
 * ``limits``    -- device attributes reported by query_device
-* ``engine``    -- the per-process device: listener, NIC thread, timers, QP/key tables
-* ``conn``      -- one TCP connection: output queue, zero-copy input parser
+* ``engine``    -- the per-process device: listeners, NIC thread (watchdog), timers, tables
+* ``conn``      -- one connection: output queue, zero-copy input parser, its driver
 * ``notify``    -- pipe-backed readable flag (channel fds, async fd)
-* ``cq``        -- CQ and completion channel
+* ``cq``        -- CQ and completion channel (manual progress: the loop moves the bytes)
 * ``mr``        -- PD, MR and the lkey/rkey table
 * ``qpcore``    -- QP state shared by both halves: WQEs, completions, error flush
 * ``requester`` -- transmit, responses, RNR go-back-N, ACK timeout

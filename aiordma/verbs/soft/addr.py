@@ -8,11 +8,32 @@ import ipaddress
 import os
 import socket
 import struct
+import sys
 
 from ...errors import DeviceError
 
 DEFAULT_ADDR = "127.0.0.1"
 _V4_PREFIX = b"\0" * 10 + b"\xff\xff"
+
+
+def unix_enabled() -> bool:
+    """Same-host peers talk over an abstract Unix socket (Linux; ``AIORDMA_SOFT_UNIX=0``
+    keeps TCP): no TCP/IP stack, no loopback checksums, larger segments."""
+    return sys.platform.startswith("linux") and os.environ.get("AIORDMA_SOFT_UNIX", "1") != "0"
+
+
+def unix_name(host: str, port: int) -> str:
+    """The abstract Unix socket name of the device listening on ``host:port``. Abstract
+    names live in the network namespace, as the addresses do, so a name found there
+    is that device."""
+    return f"\0aiordma-soft/{host}/{port}"
+
+
+def unix_names_for(ip: str, port: int) -> list[str]:
+    """Names to try, in order, to reach the device at ``ip:port`` on this host (a
+    device bound to a wildcard address is reachable at every local address)."""
+    wild = "::" if ":" in ip else "0.0.0.0"
+    return [unix_name(ip, port), unix_name(wild, port)]
 
 
 def configured() -> tuple[str, int]:

@@ -62,14 +62,15 @@ class _Wake:
 
 
 class _Listener:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, sock: socket.socket) -> None:
         self.engine = engine
+        self.sock = sock
 
     def on_event(self, mask: int) -> None:
         e = self.engine
         for _ in range(64):
             try:
-                sock, peer = e.listener.accept()
+                sock, peer = self.sock.accept()
             except (BlockingIOError, InterruptedError):
                 return
             except OSError:
@@ -78,7 +79,7 @@ class _Listener:
             _tune(sock)
             with e.lock:
                 conn = Conn(e, sock, None, expect_hello=True, state=OPEN)
-                conn.peer = peer[:2]
+                conn.peer = peer[:2] if isinstance(peer, tuple) else ("unix", 0)
                 conn._update_sel()
                 e.call_at(time.monotonic() + HELLO_TIMEOUT_S, functools.partial(e._hello_timeout, conn))
             conn.on_readable()  # the hello usually came with the connection: bind it now
@@ -94,9 +95,19 @@ class _Takeover:
         self.channel.progress()
 
 
+#: socket buffers of same-host (Unix) connections: a 1 MiB message in a few writes
+UNIX_SOCKBUF = 4 << 20
+
+
 def _tune(sock: socket.socket) -> None:
     if sock.family in (socket.AF_INET, socket.AF_INET6):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    elif sock.family == socket.AF_UNIX:
+        for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, opt, UNIX_SOCKBUF)
+            except OSError:  # pragma: no cover
+                pass
 
 
 class Engine:
@@ -124,6 +135,17 @@ class Engine:
         self.listener = ls
         self.host = host
         self.port: int = ls.getsockname()[1]
+        self.unix_listener: socket.socket | None = None
+        if addr.unix_enabled():
+            us = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                us.bind(addr.unix_name(host, self.port))
+                us.listen(512)
+                us.setblocking(False)
+                self.unix_listener = us
+            except OSError as exc:  # e.g. a stale name: TCP only, which always works
+                log.debug("soft device: no same-host Unix socket: %s", exc)
+                us.close()
         self.gids = addr.gid_table(host)
         self.sel = selectors.DefaultSelector()
         self._wake_r, self._wake_w = os.pipe()
@@ -138,7 +160,10 @@ class Engine:
         self._progress_channels: set[SoftCompChannel] = set()
         self._next_watch = 0.0
         self.sel.register(self._wake_r, selectors.EVENT_READ, _Wake(self))
-        self.sel.register(ls, selectors.EVENT_READ, _Listener(self))
+        self.sel.register(ls, selectors.EVENT_READ, _Listener(self, ls))
+        if self.unix_listener is not None:
+            self.sel.register(self.unix_listener, selectors.EVENT_READ,
+                              _Listener(self, self.unix_listener))
         self.refs = 0
         self._thread = threading.Thread(target=self._run, name="aiordma-soft0-nic", daemon=True)
         self._tid: int | None = None
@@ -232,13 +257,43 @@ class Engine:
             pass
 
     # --- connections (NIC thread, lock held) ---------------------------------------------
+    def _connect_unix(self, ip: str, port: int) -> socket.socket | None:
+        """A connected Unix socket to the same-host device at ``ip:port``, or None."""
+        if self.unix_listener is None:
+            return None
+        for name in addr.unix_names_for(ip, port):
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.setblocking(False)
+            try:
+                if sock.connect_ex(name) == 0:
+                    return sock
+            except OSError:
+                pass
+            sock.close()
+        return None
+
     def start_connect(self, conn: Conn, gid: bytes, port: int) -> None:
         if conn.state != CONNECTING:
             return
         try:
             family, sa = addr.sockaddr_of(gid, port)
-            sock = socket.socket(family, socket.SOCK_STREAM)
         except (OSError, ValueError):
+            conn.fail()
+            return
+        usock = self._connect_unix(sa[0], sa[1])
+        if usock is not None:
+            _tune(usock)
+            conn.sock = usock
+            conn.peer = sa
+            conn.state = OPEN
+            conn.reading = True
+            conn._update_sel()
+            if conn.out:
+                conn._flush()
+            return
+        try:
+            sock = socket.socket(family, socket.SOCK_STREAM)
+        except OSError:
             conn.fail()
             return
         sock.setblocking(False)
@@ -368,6 +423,8 @@ class Engine:
         except OSError:  # pragma: no cover
             pass
         self.listener.close()
+        if self.unix_listener is not None:
+            self.unix_listener.close()
         for fd in (self._wake_r, self._wake_w):
             try:
                 os.close(fd)
@@ -417,6 +474,8 @@ def _after_fork_in_child() -> None:
     e.lock = threading.Lock()
     e._stopping = True
     socks = [c.sock for c in e.conns if c.sock is not None] + [e.listener]
+    if e.unix_listener is not None:
+        socks.append(e.unix_listener)
     for s in socks:
         try:
             s.close()
