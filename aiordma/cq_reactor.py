@@ -238,7 +238,7 @@ class CQReactor:
         if slot.unacked >= _ACK_BATCH:
             slot.cq.ack_events(slot.unacked)
             slot.unacked = 0
-        self._drain(slot)
+        self._drain(slot, until_empty=False)
         slot.cq.req_notify()
         self._drain(slot)
         if self.mode == "hybrid" and self.spin_us and self._table:
@@ -246,7 +246,9 @@ class CQReactor:
         elif self.mode == "polling" and self._table:
             self._schedule_poll()
 
-    def _drain(self, slot: _CQSlot) -> int:
+    def _drain(self, slot: _CQSlot, until_empty: bool = True) -> int:
+        """Dispatch what the CQ holds. ``until_empty=False`` (before re-arming, when the
+        drain after it follows): stop after a short batch instead of polling once more."""
         total = 0
         poll = slot.cq.poll
         while True:
@@ -260,6 +262,8 @@ class CQReactor:
                 return total
             total += len(wcs)
             self._dispatch(wcs)
+            if not until_empty and len(wcs) < _POLL_BATCH:
+                return total
 
     def drain_cq(self, cq: CQ) -> int:
         """Poll ``cq`` until empty now, dispatching what it holds; returns the count."""

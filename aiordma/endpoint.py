@@ -89,6 +89,10 @@ from .verbs import (
 log = logging.getLogger("aiordma")
 
 _U64 = struct.Struct("<Q")
+# hot path: plain ints (flag-enum arithmetic builds a new enum object per operation)
+_SIGNALED = int(SendFlags.SIGNALED)
+_INLINE = int(SendFlags.INLINE)
+_SEND = WROpcode.SEND
 _MASK64 = (1 << 64) - 1
 
 # op kinds
@@ -728,10 +732,8 @@ class Endpoint:
     def _frame_wr(self, op: _Op, nbytes: int) -> SendWR:
         spool = self._spool
         assert op.slot is not None
-        flags = 0
-        if nbytes <= self._inline:
-            flags = SendFlags.INLINE
-        return SendWR(0, WROpcode.SEND, [SGE(spool.addr(op.slot), nbytes, spool.lkey)], flags)
+        return SendWR(0, _SEND, [SGE(spool.addr(op.slot), nbytes, spool.lkey)],
+                      _INLINE if nbytes <= self._inline else 0)
 
     def _build_data(self, op: _Op) -> None:
         assert self._credits is not None
@@ -784,9 +786,9 @@ class Endpoint:
             assert wr is not None
             wr.wr_id = reactor.register(self._on_send_wc, None)
             if self._sq.push(wr.wr_id, op, last_in_batch=i == last):
-                wr.send_flags |= SendFlags.SIGNALED
+                wr.send_flags = int(wr.send_flags) | _SIGNALED
             else:
-                wr.send_flags &= ~SendFlags.SIGNALED
+                wr.send_flags = int(wr.send_flags) & ~_SIGNALED
             op.posted = True
             wrs.append(wr)
         try:
@@ -799,7 +801,7 @@ class Endpoint:
             self._fail(exc)
             return
         for op in batch:
-            if op.wr is not None and op.wr.send_flags & SendFlags.INLINE and op.slot is not None:
+            if op.slot is not None and op.wr is not None and int(op.wr.send_flags) & _INLINE:
                 self._spool.release(op.slot)  # inline: the device copied it at post time
                 op.slot = None
         reactor.poke()

@@ -41,6 +41,7 @@ CLOSE_LINGER_S = 2.0
 CONNECTING, OPEN, CLOSING, CLOSED = range(4)
 
 _scratch = memoryview(bytearray(STAGE_SIZE))
+_HDR_UNPACK = wire.HDR.unpack_from
 
 
 class ConnOwner(Protocol):
@@ -328,12 +329,14 @@ class Conn:
             if self._busy:
                 return
             self._busy = True
-        try:
-            self._read_input(lock)
-        finally:
-            self._busy = False
+            try:
+                self._read_input(lock)
+            finally:
+                self._busy = False
 
     def _read_input(self, lock: threading.Lock) -> None:
+        """Lock held for the whole batch (one acquisition, not one per message), but
+        released while a large payload is received straight into its destination."""
         sock = self.sock
         if sock is None:
             return
@@ -351,7 +354,11 @@ class Conn:
                         if budget <= 0 or self._short:
                             break
                         t = sink.target()[: sink.remaining]
-                        n = sock.recv_into(t)
+                        lock.release()
+                        try:
+                            n = sock.recv_into(t)
+                        finally:
+                            lock.acquire()
                         if n == 0:
                             self._eof()
                             return
@@ -366,8 +373,7 @@ class Conn:
                     if sink.remaining == 0:
                         self._sink = None
                         if sink.on_done is not None:
-                            with lock:
-                                sink.on_done()
+                            sink.on_done()
                     continue
                 need = wire.HELLO.size if self.expect_hello else wire.HDR.size
                 if self._wpos - self._rpos >= need:
@@ -375,23 +381,20 @@ class Conn:
                         h = wire.HELLO.unpack_from(self._stage, self._rpos)
                         self._rpos += need
                         self.expect_hello = False
-                        with lock:
-                            self.engine.conn_hello(self, h)
+                        self.engine.conn_hello(self, h)
                         continue
-                    h = wire.HDR.unpack_from(self._stage, self._rpos)
+                    h = _HDR_UNPACK(self._stage, self._rpos)
                     self._rpos += need
-                    with lock:
-                        owner = self.owner
-                        if owner is not None and self.state == OPEN:
-                            s = owner.conn_header(self, h)
-                        else:
-                            s = discard(h[4]) if h[0] in wire.PAYLOAD_OPS else None
+                    owner = self.owner
+                    if owner is not None and self.state == OPEN:
+                        s = owner.conn_header(self, h)
+                    else:
+                        s = discard(h[4]) if h[0] in wire.PAYLOAD_OPS else None
                     if s is not None:
                         if s.remaining:
                             self._sink = s
                         elif s.on_done is not None:
-                            with lock:
-                                s.on_done()
+                            s.on_done()
                     continue
                 if budget <= 0 or self._short or not self._fill(sock):
                     break
@@ -399,16 +402,15 @@ class Conn:
         except (BlockingIOError, InterruptedError):
             pass
         except OSError:
-            with lock:
-                self.fail()
+            self.fail()
             return
-        with lock:
-            owner = self.owner
-            if owner is not None and self.state == OPEN:
-                owner.conn_batch_end(self)
+        owner = self.owner
+        if owner is not None and self.state == OPEN:
+            owner.conn_batch_end(self)
 
     def _fill(self, sock: socket.socket) -> bool:
-        """Read more into staging; False on EAGAIN. Raises OSError; handles EOF."""
+        """Read more into staging (lock held); False on EAGAIN. Raises OSError; handles
+        EOF."""
         if self._rpos == self._wpos:
             self._rpos = self._wpos = 0
         elif STAGE_SIZE - self._wpos < DIRECT_MIN:
@@ -428,5 +430,5 @@ class Conn:
         return True
 
     def _eof(self) -> None:
-        with self.engine.lock:
-            self.fail()
+        """Input ended (lock held)."""
+        self.fail()

@@ -223,6 +223,8 @@ class SoftCompChannel(CompChannel):
                 self._flag.lower()
 
     def get_event(self) -> SoftCQ | None:
+        if not self._events:  # producers append under the lock and raise the fd after
+            return None
         with self._lock:
             if not self._events:
                 return None
@@ -336,8 +338,10 @@ class SoftCQ(CQ):
         return out
 
     def req_notify(self, solicited_only: bool = False) -> None:
-        with self._lock:
-            self._armed = _ARM_SOLICITED if solicited_only else _ARM_ANY
+        # One attribute store, atomic under the GIL: a producer (lock held) sees the CQ
+        # armed or not; a completion it adds just before is caught by the drain that
+        # follows every arming (verbs semantics), one after fires the event.
+        self._armed = _ARM_SOLICITED if solicited_only else _ARM_ANY
 
     def ack_events(self, n: int) -> None:
         with self._lock:

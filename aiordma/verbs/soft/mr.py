@@ -57,6 +57,7 @@ class SoftMR(MR):
         self.addr = self._pinned.addr
         self.length = self._pinned.length
         self.access = Access(access)
+        self.acc = int(self.access)  # plain int: the hot path tests bits without enum ops
         self._closed = False
         engine = pd.context._engine
         with engine.lock:

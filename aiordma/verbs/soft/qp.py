@@ -41,6 +41,15 @@ _WIRE_OP = {
     WROpcode.ATOMIC_FETCH_AND_ADD: wire.OP_FETCH_ADD,
 }
 _RD_ATOMIC = frozenset({wire.OP_READ, wire.OP_CMP_SWP, wire.OP_FETCH_ADD})
+# hot path: plain ints (flag-enum arithmetic builds a new enum object per operation)
+_INLINE = int(SendFlags.INLINE)
+_SIGNALED = int(SendFlags.SIGNALED)
+_FENCE = int(SendFlags.FENCE)
+_SOLICITED = int(SendFlags.SOLICITED)
+_FLAG_SOLICITED = wire.FLAG_SOLICITED
+_HDR_PACK = wire.HDR.pack
+_PSN_MASK = wire.PSN_MASK
+_M64 = 0xFFFFFFFFFFFFFFFF
 _ATOMIC = frozenset({wire.OP_CMP_SWP, wire.OP_FETCH_ADD})
 
 _LEGAL = {
@@ -140,6 +149,7 @@ class SoftQP(Requester, Responder):
                 if attr.port_num != 1:
                     raise RDMAError(errno.EINVAL, f"no port {attr.port_num} (soft0 has port 1)")
                 self._access = attr.qp_access_flags
+                self._acc = int(attr.qp_access_flags)
                 self._state = QPState.INIT
             elif new == QPState.RTR:
                 ah = attr.ah_attr
@@ -198,18 +208,16 @@ class SoftQP(Requester, Responder):
                     self._sq_complete(w, WCStatus.WR_FLUSH_ERR)
                 return
             psn = self._next_psn
+            pack = _HDR_PACK
+            unsent = self._unsent
             for w, wr in built:
                 w.psn = psn
-                w.hdr = wire.pack(
-                    w.op, psn, w.length,
-                    flags=wire.FLAG_SOLICITED if wr.send_flags & SendFlags.SOLICITED else 0,
-                    imm=wr.imm_data & 0xFFFFFFFF, rkey=wr.rkey & 0xFFFFFFFF,
-                    remote_addr=wr.remote_addr & 0xFFFFFFFFFFFFFFFF,
-                    compare_add=wr.compare_add & 0xFFFFFFFFFFFFFFFF,
-                    swap=wr.swap & 0xFFFFFFFFFFFFFFFF)
-                psn = wire.psn_add(psn)
+                w.hdr = pack(w.op, _FLAG_SOLICITED if int(wr.send_flags) & _SOLICITED else 0, 0,
+                             psn, w.length, wr.imm_data & 0xFFFFFFFF, wr.rkey & 0xFFFFFFFF, 0,
+                             wr.remote_addr & _M64, wr.compare_add & _M64, wr.swap & _M64)
+                psn = (psn + 1) & _PSN_MASK
+                unsent.append(w)
             self._next_psn = psn
-            self._unsent.extend(w for w, _ in built)
             self._pump()
 
     def _build(self, wr: SendWR) -> tuple[SWQE, SendWR]:
@@ -226,7 +234,7 @@ class SoftQP(Requester, Responder):
                 raise InvalidWorkRequest("negative SGE length")
             length += s.length
         flags = int(wr.send_flags)
-        inline = bool(flags & SendFlags.INLINE)
+        inline = flags & _INLINE
         if op in _ATOMIC and (len(sg) != 1 or sg[0].length != 8):
             raise InvalidWorkRequest("an atomic WR needs exactly one 8-byte SGE")
         if op in _ATOMIC and wr.remote_addr % 8:
@@ -250,8 +258,7 @@ class SoftQP(Requester, Responder):
         if length > wire.MAX_MSG:
             error = WCStatus.LOC_LEN_ERR
         w = SWQE(wr.wr_id, op, WC_OPCODE_FOR_WR[wr.opcode], segs, length,
-                 bool(flags & SendFlags.SIGNALED), error, bool(flags & SendFlags.FENCE),
-                 op in _RD_ATOMIC)
+                 flags & _SIGNALED != 0, error, flags & _FENCE != 0, op in _RD_ATOMIC)
         return w, wr
 
     def _copy_inline(self, sg: list[SGE]) -> bytes:

@@ -15,6 +15,8 @@ from ..enums import Access, EventType, QPState, WCFlags, WCOpcode, WCStatus
 from ..wr import SGE, WC
 from . import wire
 
+_LOCAL_WRITE = int(Access.LOCAL_WRITE)
+
 if TYPE_CHECKING:
     from .conn import Conn, Sink
     from .context import SoftContext
@@ -102,6 +104,7 @@ class QPCore(QP):
         self._rq: deque[RWQE] = deque()
         # attributes
         self._access = Access(0)
+        self._acc = 0  # int(self._access)
         self._dest_qpn = 0
         self._ah: AHAttr | None = None
         self._epsn = 0
@@ -165,7 +168,7 @@ class QPCore(QP):
             mr = keys.get(s.lkey)
             if mr is None or mr.pd is not self.pd:
                 return None
-            if need_write and not mr.access & Access.LOCAL_WRITE:
+            if need_write and not mr.acc & _LOCAL_WRITE:
                 return None
             off = s.addr - mr.addr
             if off < 0 or s.length < 0 or off + s.length > mr.length:

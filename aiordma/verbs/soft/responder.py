@@ -19,12 +19,15 @@ _M64 = 0xFFFFFFFFFFFFFFFF
 
 
 #: the QP access flag each remote operation needs (checked before any MR)
+_REMOTE_WRITE = int(Access.REMOTE_WRITE)
+_REMOTE_READ = int(Access.REMOTE_READ)
+_REMOTE_ATOMIC = int(Access.REMOTE_ATOMIC)
 _QP_RIGHT = {
-    wire.OP_WRITE: Access.REMOTE_WRITE,
-    wire.OP_WRITE_IMM: Access.REMOTE_WRITE,
-    wire.OP_READ: Access.REMOTE_READ,
-    wire.OP_CMP_SWP: Access.REMOTE_ATOMIC,
-    wire.OP_FETCH_ADD: Access.REMOTE_ATOMIC,
+    wire.OP_WRITE: _REMOTE_WRITE,
+    wire.OP_WRITE_IMM: _REMOTE_WRITE,
+    wire.OP_READ: _REMOTE_READ,
+    wire.OP_CMP_SWP: _REMOTE_ATOMIC,
+    wire.OP_FETCH_ADD: _REMOTE_ATOMIC,
 }
 
 class Responder(QPCore):
@@ -76,11 +79,11 @@ class Responder(QPCore):
         self._respond(conn, [wire.pack(wire.OP_NAK, psn, aux=syndrome)])
         self._to_error(event)
 
-    def _rkey_view(self, rkey: int, raddr: int, length: int, right: Access) -> memoryview | None:
+    def _rkey_view(self, rkey: int, raddr: int, length: int, right: int) -> memoryview | None:
         mr = self._engine.keys.get(rkey)
         if mr is None or mr.pd is not self.pd:
             return None
-        if not (mr.access & right) or not (self._access & right):
+        if not (mr.acc & right) or not (self._acc & right):
             return None
         off = raddr - mr.addr
         if off < 0 or off + length > mr.length:
@@ -100,7 +103,7 @@ class Responder(QPCore):
                                            flags=self._min_rnr_timer & 31)])
             return discard(length)
         right = _QP_RIGHT.get(op)
-        if right is not None and not (self._access & right):
+        if right is not None and not (self._acc & right):
             # The QP itself does not allow this operation: an invalid request (rxe:
             # REM_INV_REQ_ERR at the requester, no async event), not an access error.
             self._nak_error(conn, psn, wire.NAK_INV_REQ, None)
@@ -135,7 +138,7 @@ class Responder(QPCore):
 
         if op == wire.OP_WRITE or op == wire.OP_WRITE_IMM:
             if length:
-                target = self._rkey_view(rkey, raddr, length, Access.REMOTE_WRITE)
+                target = self._rkey_view(rkey, raddr, length, _REMOTE_WRITE)
                 if target is None:
                     self._nak_error(conn, psn, wire.NAK_REM_ACCESS, EventType.QP_ACCESS_ERR)
                     return discard(length)
@@ -161,7 +164,7 @@ class Responder(QPCore):
 
         if op == wire.OP_READ:
             if length:
-                src = self._rkey_view(rkey, raddr, length, Access.REMOTE_READ)
+                src = self._rkey_view(rkey, raddr, length, _REMOTE_READ)
                 if src is None:
                     self._nak_error(conn, psn, wire.NAK_REM_ACCESS, EventType.QP_ACCESS_ERR)
                     return None
@@ -173,7 +176,7 @@ class Responder(QPCore):
             return None
 
         # atomics
-        target = self._rkey_view(rkey, raddr, 8, Access.REMOTE_ATOMIC)
+        target = self._rkey_view(rkey, raddr, 8, _REMOTE_ATOMIC)
         if target is None:
             self._nak_error(conn, psn, wire.NAK_REM_ACCESS, EventType.QP_ACCESS_ERR)
             return None
