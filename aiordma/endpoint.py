@@ -207,6 +207,9 @@ class Endpoint:
         self._prefetched = 0  # bytes of rendezvous messages read ahead into staging
         self._msg_ids = itertools.count(1)
         self._posted_recvs = 0
+        self._repost_q: list[int] = []  # consumed receive buffers not re-posted yet
+        self._repost_scheduled = False
+        self._receivers = 0  # recv/recv_into calls in progress (the fast path needs none)
         self._in_tick = False
         self._pump_scheduled = False
         self._first_error: BaseException | None = None
@@ -428,6 +431,20 @@ class Endpoint:
         Raises ConnectionClosed after the peer closed (once everything it sent before
         is delivered) or when the connection failed. Cancellation never loses a message.
         """
+        rxq = self._rx
+        if rxq and not self._receivers and not self._failed:
+            rx = rxq[0]
+            if rx.kind == _RX_DATA:  # already here, nobody queued before us: no lock
+                data = bytes(self._rpool.view[rx.offset: rx.offset + rx.length])
+                self._consume_data(rx)
+                return data
+        self._receivers += 1
+        try:
+            return await self._recv_locked()
+        finally:
+            self._receivers -= 1
+
+    async def _recv_locked(self) -> bytes:
         async with self._recv_lock:
             rx = await self._next_rx()
             if rx.kind == _RX_DATA:
@@ -456,6 +473,22 @@ class Endpoint:
             raise TypeError("recv_into needs a writable buffer")
         if out.ndim != 1 or out.format != "B":
             out = out.cast("B")
+        rxq = self._rx
+        if rxq and not self._receivers and not self._failed:
+            rx = rxq[0]
+            if rx.kind == _RX_DATA and rx.length <= out.nbytes:
+                # already here, nobody queued before us: no lock, no await
+                n = rx.length
+                out[:n] = self._rpool.view[rx.offset: rx.offset + n]
+                self._consume_data(rx)
+                return n
+        self._receivers += 1
+        try:
+            return await self._recv_into_locked(out)
+        finally:
+            self._receivers -= 1
+
+    async def _recv_into_locked(self, out: memoryview) -> int:
         async with self._recv_lock:
             rx = await self._next_rx()
             if rx.length > out.nbytes:
@@ -691,6 +724,10 @@ class Endpoint:
         credits = self._credits
         if credits is None:
             return
+        if self._repost_q:
+            self._flush_reposts()  # the credits ride on what we post now
+            if self._failed:
+                return
         batch: list[_Op] = []
         room = self._sq.room
         spool = self._spool
@@ -956,29 +993,57 @@ class Endpoint:
             self._pump()
 
     def _post_recv_slot(self, slot: int) -> None:
+        self._post_recv_slots([slot])
+
+    def _post_recv_slots(self, slots: list[int]) -> None:
+        """Post receive buffers ``slots`` (one post_recv call for all of them)."""
         pool = self._rpool
-        wr_id = self._reactor.register(self._on_recv_wc, slot)
+        register = self._reactor.register
+        on_wc = self._on_recv_wc
+        size, lkey = pool.slot_size, pool.lkey
+        wrs = [RecvWR(register(on_wc, slot), [SGE(pool.addr(slot), size, lkey)])
+               for slot in slots]
         try:
-            self._qp.post_recv([RecvWR(wr_id, [SGE(pool.addr(slot), pool.slot_size, pool.lkey)])])
+            self._qp.post_recv(wrs)
         except RDMAError:
-            self._reactor.unregister(wr_id)
-            pool.release(slot)
+            for wr, slot in zip(wrs, slots, strict=True):
+                self._reactor.unregister(wr.wr_id)
+                pool.release(slot)
             raise
-        self._posted_recvs += 1
+        self._posted_recvs += len(wrs)
 
     def _repost(self, slot: int) -> None:
-        """Give a consumed receive buffer back to the peer (one more credit owed)."""
+        """Give a consumed receive buffer back to the peer (one more credit owed).
+
+        Buffers consumed in one loop iteration are posted together, at its end or
+        before our next send (whichever comes first), so the credit still rides on it.
+        """
         if self._failed or self._done.done():
             self._rpool.release(slot)
             return
+        self._repost_q.append(slot)
+        if not self._repost_scheduled:
+            self._repost_scheduled = True
+            self._loop.call_soon(self._flush_reposts)
+
+    def _flush_reposts(self) -> None:
+        self._repost_scheduled = False
+        slots = self._repost_q
+        if not slots:
+            return
+        self._repost_q = []
+        if self._failed or self._done.done():
+            for slot in slots:
+                self._rpool.release(slot)
+            return
         try:
-            self._post_recv_slot(slot)
+            self._post_recv_slots(slots)
         except RDMAError as exc:
             self._fail(exc)
             return
         credits = self._credits
         if credits is not None:
-            credits.on_reposted(1)
+            credits.on_reposted(len(slots))
             if credits.should_send_credit():
                 self._kick()
 
