@@ -37,8 +37,16 @@ clean:
 
 ## Soft-RoCE VM tier (tests/rxe/README.md): the suite on real verbs (rdma_rxe) in a
 ## throw-away Debian VM under qemu. forky: rdma-core/pyverbs 65; bookworm: 44.
+# Every test that touches a provider (the sans-IO, reactor-with-fakes, layering and lint
+# tests are provider-independent and already ran in the fast tier; so did the asyncio
+# TCP reference stack of the transport tests).
+RXE_TESTS ?= tests/test_verbs_provider.py tests/test_ibverbs_compat.py tests/test_endpoint.py \
+	tests/test_endpoint_eof.py tests/test_multiprocess.py tests/test_rdma_transport.py \
+	tests/test_streams.py tests/test_examples_protocols.py
+RXE_PYTEST = python3 -m pytest -p no:cacheprovider -q -rfE -k "not tcp" $(RXE_TESTS)
+
 test-rxe:
-	bash tests/rxe/run-vm.sh
+	bash tests/rxe/run-vm.sh -- $(RXE_PYTEST)
 
 test-rxe-bookworm:
-	AIORDMA_RXE_SUITE=bookworm bash tests/rxe/run-vm.sh
+	AIORDMA_RXE_SUITE=bookworm bash tests/rxe/run-vm.sh -- $(RXE_PYTEST)

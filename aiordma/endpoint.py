@@ -101,6 +101,18 @@ _GRACE_S = 1.0  # after the peer's EOF, how long posted work may take to complet
 _PEER_GONE = (WCStatus.RETRY_EXC_ERR, WCStatus.RNR_RETRY_EXC_ERR)
 
 
+async def _uncancelled(fut: asyncio.Future[Any], timeout: float | None = None) -> Any:
+    """Wait for ``fut`` without ever cancelling it (unlike ``asyncio.shield``, a failure
+    after our caller was cancelled is not reported to the loop's exception handler).
+
+    Returns its result or raises its exception; TimeoutError after ``timeout``.
+    """
+    await asyncio.wait((fut,), timeout=timeout)
+    if not fut.done():
+        raise TimeoutError(f"not done after {timeout:g}s")
+    return fut.result()
+
+
 def _consume_exception(fut: asyncio.Future[Any]) -> None:
     if not fut.cancelled():
         fut.exception()
@@ -537,11 +549,11 @@ class Endpoint:
         receiver; one into a (cancelled) caller's buffer is simply read again.
         """
         if rx.read_fut is not None:
-            await asyncio.shield(rx.read_fut)
+            await _uncancelled(rx.read_fut)
             if rx.staging is None:
                 rx.read_fut = None  # landed in a cancelled caller's buffer: read again
         if rx.read_fut is None:
-            await asyncio.shield(self._start_rndv_read(rx, span))
+            await _uncancelled(self._start_rndv_read(rx, span))
         return rx.staging
 
     def _start_rndv_read(self, rx: _Rx, span: LocalSpan | None) -> asyncio.Future[None]:
@@ -1145,7 +1157,7 @@ class Endpoint:
             if not self._failed:
                 self._fail(ConnectionClosed("endpoint is closed"))
             try:
-                await asyncio.wait_for(asyncio.shield(self._drained), self._opts.close_timeout)
+                await _uncancelled(self._drained, self._opts.close_timeout)
             except TimeoutError:
                 log.warning("aiordma: %r: flush did not complete in %.1fs; destroying anyway",
                             self, self._opts.close_timeout)
@@ -1207,7 +1219,7 @@ class Endpoint:
             if not self._ops_pending():
                 self._closing.set_result(None)
             try:
-                await asyncio.wait_for(asyncio.shield(self._closing), self._opts.close_timeout)
+                await _uncancelled(self._closing, self._opts.close_timeout)
                 if not self._failed and self._credits is not None and not self._peer_gone:
                     await self._send_close_frame()
             except (TimeoutError, RDMAError):
@@ -1217,13 +1229,13 @@ class Endpoint:
             if not self._failed:
                 self._fail(ConnectionClosed("endpoint is closed"))
         self._start_teardown()
-        await asyncio.shield(self._done)
+        await _uncancelled(self._done)
 
     async def _send_close_frame(self) -> None:
         self._close_sent = True
         self._post_eof()  # no-op when send_eof() already queued it
         assert self._eof is not None
-        await asyncio.wait_for(asyncio.shield(self._eof), self._opts.close_timeout)
+        await _uncancelled(self._eof, self._opts.close_timeout)
 
     async def send_eof(self) -> None:
         """Half-close, like ``socket.shutdown(SHUT_WR)``: once every message already
@@ -1259,7 +1271,7 @@ class Endpoint:
             if not pending:
                 self._post_eof()
         assert self._eof is not None
-        await asyncio.shield(self._eof)
+        await _uncancelled(self._eof)
 
     def _new_eof(self) -> asyncio.Future[None]:
         if self._eof is None:
@@ -1292,7 +1304,7 @@ class Endpoint:
 
     async def wait_closed(self) -> None:
         """Wait until every resource of the endpoint is destroyed."""
-        await asyncio.shield(self._done)
+        await _uncancelled(self._done)
 
     async def __aenter__(self) -> Endpoint:
         return self
