@@ -50,3 +50,11 @@ test-rxe:
 
 test-rxe-bookworm:
 	AIORDMA_RXE_SUITE=bookworm bash tests/rxe/run-vm.sh -- $(RXE_PYTEST)
+
+## Benchmarks (README, "Benchmarks"): aiordma on the soft provider side by side with
+## asyncio TCP/Unix sockets and a memcpy ceiling, measured in the same run; a short set.
+## More: python -m aiordma bench --help (e.g. BENCH_ARGS="--sizes 8-16M --plot bench.png").
+BENCH_ARGS ?= --tests send_lat,write_lat,read_lat,send_bw,write_bw,msg_rate,reactor \
+	--sizes 64,4K,1M --iters 1000 --max-seconds 2 --baselines tcp-proto,unix-proto,memcpy
+bench: setup
+	AIORDMA_PROVIDER=soft $(PY) -m aiordma bench $(BENCH_ARGS)
