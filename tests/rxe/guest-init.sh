@@ -151,8 +151,15 @@ budget=$(( ${RXE_TIMEOUT:-1500} - ${up%.*} - 30 ))
 [ "$budget" -ge 30 ] || budget=30
 ulimit -c 0
 cd "$PROJECT" || fail "cd $PROJECT"
-timeout -s ABRT -k 20 "$budget" bash "$CTL/cmd.sh" < /dev/null 2>&1 | tee "$RESULTS/output.log"
-rc=${PIPESTATUS[0]}
+# No pipe to tee: a process the command leaves behind (a test's stray server) would keep
+# the pipe open and the VM would never power off. Stream the log file instead, until the
+# command itself exits; leftovers die with the VM.
+: > "$RESULTS/output.log"
+timeout -s ABRT -k 20 "$budget" bash "$CTL/cmd.sh" < /dev/null > "$RESULTS/output.log" 2>&1 &
+cmd_pid=$!
+tail -n +1 --pid="$cmd_pid" -f "$RESULTS/output.log"
+wait "$cmd_pid"
+rc=$?
 if [ "$rc" = 124 ]; then
     echo "aiordma-rxe: the command timed out after ${budget}s in the guest (AIORDMA_RXE_TIMEOUT); it got SIGABRT"
     echo "$budget" > "$RESULTS/timed-out"
