@@ -24,11 +24,18 @@ provider, which copies them):
 
 Poll policy (``AIORDMA_POLL_MODE``, ``AIORDMA_SPIN_US``):
 
-* ``blocking``: after draining, arm and return to the loop (spin 0).
-* ``hybrid`` (default): after a wake-up, while operations are outstanding, busy-poll
-  the CQ for up to ``spin_us`` microseconds before going back to the loop. The CQ is
-  armed *before* spinning, so a completion during the spin is either polled now or
-  wakes us later; never lost. The spin never holds the loop longer than the budget.
+* ``blocking`` (default): after draining, arm and return to the loop (spin 0). Chosen
+  from measurements (README, Benchmarks): on a 2-core machine shared with other work
+  the spinning modes cut a 64 B round trip by a quarter to a third but cost 1.5-2x the
+  CPU per operation, and spinning processes that compete for the cores can make it
+  several times worse; ``polling`` never sleeps while receives are posted.
+* ``hybrid``: after a wake-up or a post, keep the *loop* from sleeping for ``spin_us``
+  microseconds (extended by every completion found): a callback re-scheduled with
+  ``call_soon`` polls the CQs (providers with manual progress need no poll: the loop's
+  own zero-timeout poll of every iteration sees their fd), so the tasks that the
+  completions woke run between polls -- a spin *inside* one callback would hold them
+  back until the budget is spent. The CQ stays armed, so nothing is lost when the
+  spin ends; it costs CPU only for ``spin_us`` after the last activity.
 * ``polling``: while operations are outstanding, poll once per loop iteration
   (``call_soon``), never arming; when nothing is outstanding, arm and block.
 
@@ -133,6 +140,8 @@ class CQReactor:
         self._next_wr_id = 1
         self._closed = False
         self._poll_scheduled = False
+        self._spin_scheduled = False
+        self._spin_deadline = 0.0
         # statistics
         self.wakeups = 0
         self.spins = 0
@@ -241,8 +250,8 @@ class CQReactor:
         self._drain(slot, until_empty=False)
         slot.cq.req_notify()
         self._drain(slot)
-        if self.mode == "hybrid" and self.spin_us and self._table:
-            self._spin(slot)
+        if self.mode == "hybrid" and self.spin_us:
+            self._spin_from_now()
         elif self.mode == "polling" and self._table:
             self._schedule_poll()
 
@@ -288,16 +297,29 @@ class CQReactor:
                     "exception": exc,
                 })
 
-    def _spin(self, slot: _CQSlot) -> None:
-        self.spins += 1
-        deadline = time.perf_counter() + self.spin_us * 1e-6
-        progress = slot.progress
-        while self._table and time.perf_counter() < deadline:
-            if progress is not None:
-                progress(False)
-            if self._drain(slot):
-                self.spin_hits += 1
-                deadline = time.perf_counter() + self.spin_us * 1e-6
+    def _spin_from_now(self) -> None:
+        """hybrid: keep the loop polling for ``spin_us`` from now."""
+        self._spin_deadline = time.perf_counter() + self.spin_us * 1e-6
+        if not self._spin_scheduled and not self._closed:
+            self._spin_scheduled = True
+            self.spins += 1
+            self.loop.call_soon(self._spin_tick)
+
+    def _spin_tick(self) -> None:
+        self._spin_scheduled = False
+        if self._closed:
+            return
+        found = 0
+        for slot in self._slots:
+            if slot.progress is None:  # manual progress: the loop's own poll sees the fd
+                found += self._drain(slot)
+        now = time.perf_counter()
+        if found:
+            self.spin_hits += 1
+            self._spin_deadline = now + self.spin_us * 1e-6
+        if now < self._spin_deadline:
+            self._spin_scheduled = True
+            self.loop.call_soon(self._spin_tick)
 
     def _schedule_poll(self) -> None:
         if not self._poll_scheduled and not self._closed:
@@ -316,8 +338,12 @@ class CQReactor:
             self._schedule_poll()
 
     def poke(self) -> None:
-        """Called after posting work: in polling mode, make sure a poll is scheduled."""
-        if self.mode == "polling":
+        """Called after posting work: polling mode: make sure a poll is scheduled;
+        hybrid: spin for the answer."""
+        if self.mode == "hybrid":
+            if self.spin_us:
+                self._spin_from_now()
+        elif self.mode == "polling":
             self._schedule_poll()
 
     def _fail_all(self, exc: BaseException) -> None:
