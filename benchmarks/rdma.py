@@ -67,7 +67,8 @@ class RdmaServer:
         async def handler(ep: aiordma.Endpoint) -> None:
             self.mr = ep.register(self.buf, remote_read=True, remote_write=True,
                                   remote_atomic=True)
-            self.rmr = ep.register(self.rbuf)
+            # remote_read: the echo of a large message goes by zero-copy rendezvous
+            self.rmr = ep.register(self.rbuf, remote_read=True)
             self.ep = ep
             if not self._ep_fut.done():  # type: ignore[union-attr]
                 self._ep_fut.set_result(ep)  # type: ignore[union-attr]
