@@ -3,25 +3,15 @@
 from __future__ import annotations
 
 import importlib.util
-import os
-import pathlib
 import re
 import subprocess
 import sys
 
 import pytest
-
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-EX = ROOT / "examples"
-HOST = os.environ.get("AIORDMA_TEST_IP", "127.0.0.1")
+from _procs import EX, HOST
+from _procs import proc_env as _env
 
 pytestmark = pytest.mark.multiprocess
-
-
-def _env(provider: str) -> dict[str, str]:
-    env = dict(os.environ, AIORDMA_PROVIDER=provider)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    return env
 
 
 def _run(provider: str, script: str, *args: str, timeout: float = 100) -> subprocess.CompletedProcess[str]:

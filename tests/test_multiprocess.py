@@ -3,28 +3,18 @@
 from __future__ import annotations
 
 import asyncio
-import os
-import pathlib
 import re
 import signal
 import subprocess
 import sys
 
 import pytest
+from _procs import EX, HOST
+from _procs import proc_env as _env
 
 import aiordma
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-EX = ROOT / "examples"
-HOST = os.environ.get("AIORDMA_TEST_IP", "127.0.0.1")
-
 pytestmark = pytest.mark.multiprocess
-
-
-def _env(provider: str) -> dict[str, str]:
-    env = dict(os.environ, AIORDMA_PROVIDER=provider)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    return env
 
 
 def _stop(proc: subprocess.Popen[str]) -> None:
