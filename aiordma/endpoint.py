@@ -534,13 +534,17 @@ class Endpoint:
                 return rx
             if self._closing is not None:
                 raise self._closed_error()
-            fut: asyncio.Future[None] = self._loop.create_future()
-            self._rx_waiters.append(fut)
-            try:
-                await fut
-            finally:
-                if fut in self._rx_waiters:
-                    self._rx_waiters.remove(fut)
+            await self._wait_on(self._rx_waiters)
+
+    async def _wait_on(self, waiters: list[asyncio.Future[None]]) -> None:
+        """Sleep until ``_wake(waiters)``; a cancelled sleeper leaves the list clean."""
+        fut: asyncio.Future[None] = self._loop.create_future()
+        waiters.append(fut)
+        try:
+            await fut
+        finally:
+            if fut in waiters:
+                waiters.remove(fut)
 
     async def _rndv_fetch(self, rx: _Rx, span: LocalSpan | None) -> Staging | None:
         """READ the rendezvous message ``rx`` into ``span`` or into staging (returned).
@@ -646,13 +650,7 @@ class Endpoint:
                 raise self._closed_error()
             if self._remote_closed:
                 raise ConnectionClosed("the peer closed the connection")
-            fut: asyncio.Future[None] = self._loop.create_future()
-            self._imm_waiters.append(fut)
-            try:
-                await fut
-            finally:
-                if fut in self._imm_waiters:
-                    self._imm_waiters.remove(fut)
+            await self._wait_on(self._imm_waiters)
         return self._imm.popleft()
 
     async def fetch_add(self, remote: RemoteBuffer, value: int) -> int:
