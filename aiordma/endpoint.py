@@ -741,9 +741,15 @@ class Endpoint:
         batch: list[_Op] = []
         room = self._sq.room
         spool = self._spool
-        while self._ctrlq and room > len(batch) and credits.can_send_control() and spool.available:
-            op = self._ctrlq.popleft()
-            credits.consume(control=True)
+        while self._ctrlq and room > len(batch) and spool.available:
+            op = self._ctrlq[0]
+            if op.payload[0] == FrameType.CLOSE:
+                credits.consume_close()  # its credit is held for it: never waits
+            elif credits.can_send_control():
+                credits.consume(control=True)
+            else:
+                break
+            self._ctrlq.popleft()
             self._build_ctrl(op)
             batch.append(op)
         while self._oneq and room > len(batch):

@@ -36,21 +36,21 @@ def test_threshold() -> None:
     assert CreditState(4, 64).threshold == 32
 
 
-def test_data_keeps_the_reserve() -> None:
+def test_data_keeps_the_reserve_and_the_close_credit() -> None:
     cs = CreditState(4, 8)
-    for _ in range(3):
+    for _ in range(2):
         assert cs.can_send_data()
         cs.consume()
-    assert cs.peer_credits == 1
+    assert cs.peer_credits == 2  # one reserved for credit-returning control, one for CLOSE
     assert not cs.can_send_data()
     with pytest.raises(LocalProtocolError, match="no credit to send a data frame"):
         cs.consume()
-    assert cs.peer_credits == 1
+    assert cs.peer_credits == 2
 
 
 def test_reserved_credit_only_for_control_that_returns_credit() -> None:
     cs = CreditState(4, 8)
-    for _ in range(3):
+    for _ in range(2):
         cs.consume()
     assert cs.owed == 0 and not cs.can_send_control()
     with pytest.raises(LocalProtocolError, match="no credit to send a control frame"):
@@ -59,9 +59,27 @@ def test_reserved_credit_only_for_control_that_returns_credit() -> None:
     assert cs.can_send_control()
     cs.consume(control=True)
     assert cs.take_piggyback() == 1
-    assert cs.peer_credits == 0 and not cs.can_send_control()
+    assert cs.peer_credits == 1 and not cs.can_send_control()
     cs.on_reposted(5)
     assert not cs.can_send_control() and not cs.should_send_credit()
+
+
+def test_close_always_has_its_credit_and_goes_once() -> None:
+    """A writer stopped by a paused reader (no credit returned, nothing owed) can still
+    send its CLOSE: rule 0 keeps a credit for it."""
+    cs = CreditState(4, 4)
+    while cs.can_send_data():
+        cs.consume()
+    assert not cs.can_send_control() and not cs.close_sent
+    cs.consume_close()
+    assert cs.close_sent and cs.peer_credits == 1  # the reserve is still there
+    with pytest.raises(LocalProtocolError, match="CLOSE was already sent"):
+        cs.consume_close()
+    cs.on_credits(3)  # after CLOSE the held credit is part of the pool again
+    assert cs.peer_credits == 4 and cs.can_send_data()
+    for _ in range(3):
+        cs.consume()
+    assert not cs.can_send_data()
 
 
 def test_control_above_reserve_needs_no_owed() -> None:
@@ -121,12 +139,13 @@ def test_should_send_credit_at_threshold() -> None:
 def test_repr() -> None:
     cs = CreditState(4, 8)
     cs.consume()
-    assert repr(cs) == "<CreditState peer_credits=3/4 reserve=1 owed=0 local_slots=8 threshold=4>"
+    assert repr(cs) == ("<CreditState peer_credits=3/4 held_for_close=1 reserve=1 owed=0 "
+                        "local_slots=8 threshold=4>")
 
 
 # -- two-peer simulation -------------------------------------------------------------------
 
-DATA, CTRL, CREDIT = "DATA", "CTRL", "CREDIT"  # CTRL: RNDV_DONE/CLOSE-like control frame
+DATA, CTRL, CREDIT, CLOSE = "DATA", "CTRL", "CREDIT", "CLOSE"  # CTRL: RNDV_DONE-like
 
 
 @dataclass
@@ -140,7 +159,9 @@ class Peer:
     to_send: int = 0  # application messages queued
     ctrl_to_send: int = 0  # control frames (RNDV_DONE-like) queued
     received: int = 0  # application messages consumed by the user
-    frames_sent: dict[str, int] = field(default_factory=lambda: {DATA: 0, CTRL: 0, CREDIT: 0})
+    close: int = 0  # 0: not asked, 1: CLOSE queued (goes after the last DATA), 2: sent
+    frames_sent: dict[str, int] = field(
+        default_factory=lambda: {DATA: 0, CTRL: 0, CREDIT: 0, CLOSE: 0})
 
 
 class Sim:
@@ -158,7 +179,10 @@ class Sim:
 
     def _emit(self, i: int, kind: str) -> None:
         p = self.peers[i]
-        p.cs.consume(control=kind != DATA)
+        if kind == CLOSE:
+            p.cs.consume_close()
+        else:
+            p.cs.consume(control=kind != DATA)
         self.wires[i].append((kind, p.cs.take_piggyback()))
         p.frames_sent[kind] += 1
 
@@ -176,6 +200,9 @@ class Sim:
         elif p.to_send and p.cs.can_send_data():
             p.to_send -= 1
             self._emit(i, DATA)
+        elif p.close == 1 and not p.to_send:  # like the endpoint: after every DATA
+            p.close = 2
+            self._emit(i, CLOSE)
         else:
             return self.credit_check(i)
         self.credit_check(i)
@@ -212,6 +239,14 @@ class Sim:
         self.peers[i].ctrl_to_send += 1
         return True
 
+    def close(self, i: int) -> bool:
+        """The application asks for EOF: CLOSE is queued behind its remaining DATA."""
+        p = self.peers[i]
+        if p.close:
+            return False
+        p.close = 1
+        return True
+
     def check_invariants(self) -> None:
         for i in (0, 1):
             src, dst = self.peers[i], self.peers[1 - i]
@@ -246,7 +281,7 @@ class Sim:
         return f"Sim(peers={self.peers}, wires={[list(w) for w in self.wires]})"
 
 
-ACTIONS = ("send", "deliver", "consume", "queue_ctrl")
+ACTIONS = ("send", "deliver", "consume", "queue_ctrl", "close")
 # (action, side, repeat): bursts make full windows and crossing frames common.
 schedules = st.lists(
     st.tuples(st.sampled_from(ACTIONS), st.integers(0, 1), st.integers(1, 8)), max_size=100
@@ -285,6 +320,7 @@ def test_simulation_safe_live_and_quiet(
     sim.drain(max_rounds=4 * (n_a + n_b) + 50)
     a, b = sim.peers
     assert (a.to_send, b.to_send, a.ctrl_to_send, b.ctrl_to_send) == (0, 0, 0, 0)
+    assert a.close != 1 and b.close != 1  # every CLOSE asked for went
     assert (b.received, a.received) == sim.n
     assert not sim.wires[0] and not sim.wires[1] and a.held == b.held == 0
     # ... and stays live: at quiescence both sides could send another message.
@@ -296,7 +332,8 @@ def test_simulation_safe_live_and_quiet(
     # ... and CREDIT frames never outnumber the frames that caused them (no ping-pong):
     # each CREDIT needs >= 2 owed and each received frame creates 1.
     credit = sum(p.frames_sent[CREDIT] for p in sim.peers)
-    other = sum(p.frames_sent[DATA] + p.frames_sent[CTRL] for p in sim.peers)
+    other = sum(p.frames_sent[DATA] + p.frames_sent[CTRL] + p.frames_sent[CLOSE]
+                for p in sim.peers)
     assert credit <= other
 
 
@@ -306,7 +343,8 @@ def test_simulation_without_application_traffic_quiesces(
     slots_a: int, slots_b: int, schedule: Schedule
 ) -> None:
     sim = _run(slots_a, slots_b, 0, 0, schedule)
-    ctrl = sum(p.frames_sent[CTRL] + p.ctrl_to_send for p in sim.peers)
+    ctrl = sum(p.frames_sent[CTRL] + p.ctrl_to_send + p.frames_sent[CLOSE] + (p.close == 1)
+               for p in sim.peers)
     sim.drain(max_rounds=2 * ctrl + 10)
     assert all(p.cs.can_send_data() for p in sim.peers), sim
     credit = sum(p.frames_sent[CREDIT] for p in sim.peers)
@@ -323,13 +361,13 @@ class NaiveCreditState(CreditState):
     """The tempting rule: any control frame may spend the last credit."""
 
     def can_send_control(self) -> bool:
-        return self.peer_credits > 0
+        return self.peer_credits - (0 if self.close_sent else 1) > 0
 
 
 def _both_spend_last_credit_on_control(cs_type: type) -> Sim:
     sim = Sim(4, 4, 4, 4, cs_type)
     for i in (0, 1):  # each fills the peer's buffers down to the reserve, no user reads
-        for _ in range(3):
+        for _ in range(2):
             sim.step("send", i)
     for i in (0, 1):
         while sim.step("deliver", i):
@@ -345,11 +383,31 @@ def test_naive_reserve_rule_deadlocks() -> None:
     each owes the other a full window; the last message can never be sent."""
     sim = _both_spend_last_credit_on_control(NaiveCreditState)
     sim.drain(max_rounds=50)  # quiescent ...
-    assert all(p.cs.peer_credits == 0 and p.cs.owed == 4 for p in sim.peers)
-    assert all(p.to_send == 1 for p in sim.peers)  # ... but stuck
+    # Each holds only the CLOSE credit and owes the other its whole window.
+    assert all(p.cs.peer_credits == 1 and p.cs.owed == 3 for p in sim.peers)
+    assert all(p.to_send == 2 for p in sim.peers)  # ... but stuck
 
 
 def test_reserve_rule_survives_the_same_schedule() -> None:
     sim = _both_spend_last_credit_on_control(CreditState)
     sim.drain(max_rounds=50)
     assert all(p.to_send == p.ctrl_to_send == 0 and p.received == 4 for p in sim.peers)
+
+
+def test_paused_reader_never_traps_the_writers_close() -> None:
+    """A fills B's window while B's user reads nothing, then closes: CLOSE still goes
+    (no RNR: it lands in a posted buffer), and when B resumes it reads every message
+    and the CLOSE, and both sides end with their windows back."""
+    sim = Sim(4, 4, 10, 0, CreditState)
+    while sim.step("send", 0):
+        pass
+    assert sim.peers[0].to_send == 8  # two went; the rest wait for credit
+    sim.step("deliver", 0)
+    sim.step("deliver", 0)
+    sim.peers[0].to_send = 0  # the writer gives up on the rest and closes
+    sim.step("close", 0)
+    assert sim.step("send", 0) and sim.peers[0].close == 2
+    assert sim.step("deliver", 0)  # CLOSE found a posted buffer (deliver asserts it)
+    sim.drain(max_rounds=20)  # B's user resumes
+    assert sim.peers[1].received == 2
+    assert all(p.cs.can_send_data() for p in sim.peers)

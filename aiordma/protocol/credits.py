@@ -11,9 +11,13 @@ by an explicit CREDIT frame once ``owed >= threshold``.
 Rules, and why they cannot deadlock or storm:
 
 1. Piggy-back everything owed on every frame (``take_piggyback`` when building it).
-2. DATA and RNDV need ``peer_credits > reserve``: the last ``reserve`` credits are kept
+0. One credit is set aside for our single CLOSE frame (EOF) until it is sent: CLOSE can
+   always go, so a close or half-close never waits for a paused reader (like TCP's FIN,
+   which needs no window). Rules 2 to 5 are about the other credits,
+   ``usable = peer_credits - (1 until CLOSE is sent)``; CLOSE is sent at most once.
+2. DATA and RNDV need ``usable > reserve``: the last ``reserve`` credits are kept
    for frames that return credit.
-3. A control frame (CREDIT, RNDV_DONE, CLOSE) may spend a reserved credit only if it
+3. A control frame (CREDIT, RNDV_DONE) may spend a reserved credit only if it
    carries at least one returned credit (``owed > 0``); above the reserve it always may.
    So whenever a side spends its last credit, the frame gives the peer at least one; the
    two sides can therefore never both sit at zero credits once the wire is drained:
@@ -22,11 +26,18 @@ Rules, and why they cannot deadlock or storm:
    giving A credit again.
 4. Explicit CREDIT only when ``owed >= threshold = max(2, local_slots // 2)``. With the
    wire drained and both applications consuming, a side blocked on data holds at most
-   ``reserve`` credits, so the peer owes at least ``local_slots - reserve >= threshold``
-   (checked in ``__init__``) and has a credit to say so (rule 3): progress.
+   ``reserve + 1`` credits, so the peer owes at least
+   ``local_slots - reserve - 1 >= threshold`` (checked in ``__init__``) and has a credit
+   to say so (rule 3): progress. After our CLOSE we send no DATA, so the held-back
+   credit is no longer needed for this argument.
 5. Every received CREDIT costs its receiver a buffer and so creates one owed credit, but a
    CREDIT needs ``threshold >= 2`` owed to be sent: each CREDIT frame pays for at most
    half of another, so an idle connection quiesces instead of ping-ponging.
+
+Rule 0 with rules 2 and 3 mean a paused reader holds a writer back without ever
+trapping the writer's CLOSE: the data already sent sits in the reader's posted
+buffers, CLOSE lands in the buffer set aside for it, and the reader sees both, in
+order, when it resumes.
 
 Call order per outgoing frame: check ``can_send_*``, then ``consume()``, then
 ``take_piggyback()`` (rule 3 looks at ``owed``; ``consume`` enforces it).
@@ -48,6 +59,7 @@ class CreditState:
 
     __slots__ = (
         "_peer_credits",
+        "_held",
         "_initial_peer",
         "_local_slots",
         "_owed",
@@ -58,18 +70,19 @@ class CreditState:
     def __init__(self, peer_credits: int, local_slots: int, *, reserve: int = 1) -> None:
         """``peer_credits``: receive buffers the peer posted for us (its handshake);
         ``local_slots``: receive buffers we post for the peer; ``reserve``: credits kept
-        back from DATA/RNDV. Raises ``ValueError`` if ``local_slots < 4``,
-        ``peer_credits < 4``, ``reserve < 1``, or the peer's threshold could not be reached
-        with ``reserve`` credits held back (rule 4)."""
+        back from DATA/RNDV (one more is held for CLOSE, rule 0). Raises ``ValueError``
+        if ``local_slots < 4``, ``peer_credits < 4``, ``reserve < 1``, or the peer's
+        threshold could not be reached with ``reserve + 1`` credits held back (rule 4)."""
         if local_slots < MIN_SLOTS:
             raise ValueError(f"local_slots must be >= {MIN_SLOTS}, got {local_slots}")
         if peer_credits < MIN_SLOTS:
             raise ValueError(f"peer_credits must be >= {MIN_SLOTS}, got {peer_credits}")
         if reserve < 1:
             raise ValueError(f"reserve must be >= 1, got {reserve}")
-        if peer_credits - reserve < _threshold(peer_credits):
+        if peer_credits - reserve - 1 < _threshold(peer_credits):
             raise ValueError(f"reserve {reserve} too large for {peer_credits} peer credits")
         self._peer_credits = peer_credits
+        self._held = 1  # for CLOSE (rule 0)
         self._initial_peer = peer_credits
         self._local_slots = local_slots
         self._owed = 0
@@ -83,14 +96,20 @@ class CreditState:
         """Credits we hold: frames we may still send before the peer re-posts."""
         return self._peer_credits
 
+    @property
+    def close_sent(self) -> bool:
+        """True once ``consume_close()`` has spent the credit held for CLOSE."""
+        return not self._held
+
     def can_send_data(self) -> bool:
-        """True if a DATA or RNDV frame may be sent now (``peer_credits > reserve``)."""
-        return self._peer_credits > self._reserve
+        """True if a DATA or RNDV frame may be sent now (``usable > reserve``)."""
+        return self._peer_credits - self._held > self._reserve
 
     def can_send_control(self) -> bool:
-        """True if a CREDIT, RNDV_DONE or CLOSE frame may be sent now: above the reserve,
-        or with a reserved credit when it will carry returned credit (``owed > 0``)."""
-        return self._peer_credits > self._reserve or (self._peer_credits > 0 and self._owed > 0)
+        """True if a CREDIT or RNDV_DONE frame may be sent now: above the reserve, or with
+        a reserved credit when it will carry returned credit (``owed > 0``)."""
+        usable = self._peer_credits - self._held
+        return usable > self._reserve or (usable > 0 and self._owed > 0)
 
     def consume(self, control: bool = False) -> None:
         """Spend one credit for a frame about to be posted. Raises ``LocalProtocolError``
@@ -101,6 +120,15 @@ class CreditState:
                 f"no credit to send a {kind} frame (peer_credits={self._peer_credits}, "
                 f"reserve={self._reserve}, owed={self._owed})"
             )
+        self._peer_credits -= 1
+
+    def consume_close(self) -> None:
+        """Spend the credit held for our CLOSE frame (always available, rule 0). Raises
+        ``LocalProtocolError`` on a second call: CLOSE is sent once per connection."""
+        if not self._held:
+            raise LocalProtocolError("CLOSE was already sent on this connection")
+        assert self._peer_credits > 0
+        self._held = 0
         self._peer_credits -= 1
 
     def on_credits(self, n: int) -> None:
@@ -151,8 +179,8 @@ class CreditState:
     def __repr__(self) -> str:
         return (
             f"<CreditState peer_credits={self._peer_credits}/{self._initial_peer} "
-            f"reserve={self._reserve} owed={self._owed} local_slots={self._local_slots} "
-            f"threshold={self._threshold}>"
+            f"held_for_close={self._held} reserve={self._reserve} owed={self._owed} "
+            f"local_slots={self._local_slots} threshold={self._threshold}>"
         )
 
 
