@@ -72,9 +72,36 @@ async def test_close_right_after_send_eof_sends_one_eof(provider_name: str) -> N
     async with pair(provider_name) as (ep, srv):
         await ep.send(b"x")
         eof = asyncio.ensure_future(ep.send_eof())
+        await asyncio.sleep(0)  # send_eof has started (3.12+ wait_for runs close() first)
         await asyncio.wait_for(ep.close(), T)
         await asyncio.wait_for(eof, T)
         assert await asyncio.wait_for(srv.recv(), T) == b"x"
+        with pytest.raises(aiordma.ConnectionClosed):
+            await asyncio.wait_for(srv.recv(), T)
+
+
+async def test_close_with_a_paused_reader_loses_nothing(provider_name: str) -> None:
+    """The peer reads nothing while we fill its window and close: our CLOSE has a credit
+    of its own (it does not wait for the reader, like TCP's FIN), so close() finishes
+    gracefully well within close_timeout, and the reader later gets every message, then
+    EOF. (Without that credit close() would give up after close_timeout and abort, and
+    the peer would lose what it had not read yet.)"""
+    async with pair(provider_name, recv_depth=4, close_timeout=2.0) as (ep, srv):
+        msgs = [b"m%d" % i for i in range(8)]
+        sends = [asyncio.ensure_future(ep.send(m)) for m in msgs]
+        done, _ = await asyncio.wait(sends, timeout=0.3)
+        assert 0 < len(done) < len(msgs)  # the window is full, the reader sleeps
+        for f in sends:  # give up on what could not go yet
+            if not f.done():
+                f.cancel()
+        await asyncio.gather(*sends, return_exceptions=True)
+        went = [m for m, f in zip(msgs, sends, strict=True) if not f.cancelled()]
+        assert all(f.exception() is None for f in sends if not f.cancelled())
+        t0 = asyncio.get_running_loop().time()
+        await asyncio.wait_for(ep.close(), T)
+        assert asyncio.get_running_loop().time() - t0 < 1.5  # did not sit out close_timeout
+        got = [await asyncio.wait_for(srv.recv(), T) for _ in went]
+        assert got == went
         with pytest.raises(aiordma.ConnectionClosed):
             await asyncio.wait_for(srv.recv(), T)
 
