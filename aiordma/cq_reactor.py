@@ -217,6 +217,14 @@ class CQReactor:
         """Forget a wr_id that was never posted (post refused)."""
         self._table.pop(wr_id, None)
 
+    def unregister_owner(self, owner: object) -> int:
+        """Forget every wr_id whose handler is a method of ``owner`` (an endpoint that
+        destroys its QP before its flush completions arrived). Returns how many; O(table)."""
+        mine = [w for w, (h, _a) in self._table.items() if getattr(h, "__self__", None) is owner]
+        for wr_id in mine:
+            del self._table[wr_id]
+        return len(mine)
+
     @property
     def outstanding(self) -> int:
         return len(self._table)
@@ -375,6 +383,15 @@ class CQReactor:
             "unknown_wr_ids": self.unknown_wr_ids,
         }
 
+    def ack_pending(self) -> None:
+        """Acknowledge every event read and not yet acknowledged (acks are batched).
+        ``Device`` calls it at interpreter exit for reactors still open: the garbage
+        collector's ibv_destroy_cq would block forever on unacknowledged events."""
+        for slot in self._slots:
+            if slot.unacked:
+                slot.cq.ack_events(slot.unacked)
+                slot.unacked = 0
+
     def close(self) -> None:
         """Remove the readers, ack every event, destroy CQs then channels. Idempotent.
 
@@ -391,9 +408,8 @@ class CQReactor:
                     self.loop.remove_reader(slot.progress_fd)
             while slot.channel.get_event() is not None:
                 slot.unacked += 1
-            if slot.unacked:
-                slot.cq.ack_events(slot.unacked)
-                slot.unacked = 0
+        self.ack_pending()
+        for slot in self._slots:
             slot.cq.close()
             slot.channel.close()
         self._slots.clear()

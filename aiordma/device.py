@@ -9,7 +9,9 @@ also open a device explicitly with ``aiordma.open_device()`` and pass it as
 from __future__ import annotations
 
 import asyncio
+import atexit
 import logging
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -38,6 +40,7 @@ class Device:
         self._qp_watchers: dict[int, Callable[[AsyncEvent], None]] = {}
         self._async_loop: asyncio.AbstractEventLoop | None = None
         self.async_events = 0
+        _open_devices.add(self)
 
     @classmethod
     def acquire(cls, name: str | None = None, provider: str | None = None) -> Device:
@@ -120,6 +123,22 @@ class Device:
 
     def __repr__(self) -> str:
         return f"<Device {self.name} provider={self.provider} refs={self._refs}>"
+
+
+_open_devices: weakref.WeakSet[Device] = weakref.WeakSet()
+
+
+@atexit.register
+def _ack_at_exit() -> None:
+    """A program may exit with endpoints never closed (a loop stopped mid-way): ack the
+    events of every open device's CQs, so that destroying them at exit cannot block."""
+    for dev in list(_open_devices):
+        if not dev.closed:
+            for r in list(dev._reactors.values()):
+                try:
+                    r.ack_pending()
+                except Exception:  # exiting anyway: nothing better to do than go on
+                    log.debug("aiordma: ack at exit failed", exc_info=True)
 
 
 def open_device(name: str | None = None, *, provider: str | None = None) -> Device:

@@ -1156,7 +1156,8 @@ class Endpoint:
 
     async def _teardown(self) -> None:
         """Destroy in the order that cannot hang: QP to ERR, wait for every flush, then
-        destroy QP, MRs, CQ reservation, PD; release the device."""
+        destroy QP, MRs, CQ reservation, PD; release the device. Cancelled (the loop is
+        shutting down), it destroys at once without waiting for the flush."""
         try:
             if not self._failed:
                 self._fail(ConnectionClosed("endpoint is closed"))
@@ -1165,6 +1166,19 @@ class Endpoint:
             except TimeoutError:
                 log.warning("aiordma: %r: flush did not complete in %.1fs; destroying anyway",
                             self, self._opts.close_timeout)
+        finally:
+            self._destroy_now()
+
+    def _destroy_now(self) -> None:
+        """Destroy every resource now (idempotent; sync, so it also runs from a cancelled
+        task or close()). Safe without the flush: once the QP is destroyed the device no
+        longer touches our buffers, and the reactor drops completions of unknown wr_ids."""
+        if self._done.done():
+            return
+        task = self._teardown_task
+        if task is not None and not task.done() and task is not asyncio.current_task():
+            task.cancel()  # it only waits for the flush; its finally finds us done
+        try:
             if self._watch_task is not None and not self._watch_task.done():
                 self._watch_task.cancel()
             for _wr_id, op in self._sq.drain():
@@ -1178,10 +1192,12 @@ class Endpoint:
                 if rx.staging is not None:
                     rx.staging.release()
             self._rx.clear()
+            if self._posted_recvs:  # not flushed: their completions must find no handler
+                self._reactor.unregister_owner(self)
+                self._posted_recvs = 0
             self._destroy_resources()
         finally:
-            if not self._done.done():
-                self._done.set_result(None)
+            self._done.set_result(None)
 
     def _on_async_event(self, ev: AsyncEvent) -> None:
         """A fatal async event for our QP (or the whole port/device) kills the connection."""
@@ -1228,12 +1244,23 @@ class Endpoint:
                     await self._send_close_frame()
             except (TimeoutError, RDMAError):
                 pass
+            except asyncio.CancelledError:
+                # Nobody waits any more (e.g. asyncio.run() cancelling what is left at
+                # exit): abort and destroy now, so nothing is left for the GC to destroy
+                # (with unacknowledged events, ibv_destroy_cq would block the exit).
+                self.abort()
+                self._destroy_now()
+                raise
             self._wake(self._rx_waiters)
             self._wake(self._imm_waiters)
             if not self._failed:
                 self._fail(ConnectionClosed("endpoint is closed"))
         self._start_teardown()
-        await _uncancelled(self._done)
+        try:
+            await _uncancelled(self._done)
+        except asyncio.CancelledError:
+            self._destroy_now()  # as above: do not leave it to a task that may never run
+            raise
 
     async def _send_close_frame(self) -> None:
         self._close_sent = True

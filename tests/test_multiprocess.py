@@ -98,3 +98,40 @@ async def test_peer_killed_during_large_send(provider_name: str) -> None:
     finally:
         server.kill()
         server.wait(10)
+
+
+_LEAVE_OPEN = r'''
+import asyncio, sys
+import aiordma
+
+async def main(how: str) -> None:
+    async def echo(ep):
+        while True:
+            await ep.send(await ep.recv())
+
+    listener = await aiordma.listen(echo, sys.argv[2], 0)
+    ep = await aiordma.connect(sys.argv[2], listener.port, timeout=30)
+    for i in range(5):  # completion events, some still unacknowledged (acks are batched)
+        await ep.send(b"x" * i)
+        assert await ep.recv() == b"x" * i
+    if how == "close-not-awaited":
+        close = asyncio.ensure_future(ep.close())  # asyncio.run() cancels it at exit
+    # "left-open": the endpoints and the listener are simply dropped
+
+asyncio.run(main(sys.argv[1]))
+print("main returned", flush=True)
+'''
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["left-open", "close-not-awaited"])
+def test_process_exits_with_endpoints_not_closed(provider_name: str, how: str) -> None:
+    """A program that returns from asyncio.run() without closing its endpoints still
+    exits promptly and quietly: a cancelled close() destroys at once, and at exit the
+    CQ events are acknowledged (otherwise ibv_destroy_cq in the GC blocks forever)."""
+    r = subprocess.run([sys.executable, "-c", _LEAVE_OPEN, how, HOST], capture_output=True,
+                       text=True, timeout=90, env=_env(provider_name))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "main returned" in r.stdout
+    assert "Traceback" not in r.stderr and "was destroyed but it is pending" not in r.stderr, \
+        r.stderr
