@@ -489,6 +489,8 @@ async def test_silent_server_gives_handshake_error(opts: dict) -> None:
         with pytest.raises(aiordma.HandshakeError, match="timed out"):
             await aiordma.connect(HOST, port, handshake_timeout=0.5, **opts)
     finally:
+        for w in held:  # 3.12+: Server.wait_closed() waits for every connection to close
+            w.close()
         srv.close()
         await srv.wait_closed()
 

@@ -154,12 +154,16 @@ cd "$PROJECT" || fail "cd $PROJECT"
 # No pipe to tee: a process the command leaves behind (a test's stray server) would keep
 # the pipe open and the VM would never power off. Stream the log file instead, until the
 # command itself exits; leftovers die with the VM.
-: > "$RESULTS/output.log"
-timeout -s ABRT -k 20 "$budget" bash "$CTL/cmd.sh" < /dev/null > "$RESULTS/output.log" 2>&1 &
+# The log is written to the guest's tmpfs and copied to the results share at the end:
+# following a file on 9p with tail -f fails ("No data available") under load.
+LOG=/tmp/aiordma-output.log
+: > "$LOG"
+timeout -s ABRT -k 20 "$budget" bash "$CTL/cmd.sh" < /dev/null > "$LOG" 2>&1 &
 cmd_pid=$!
-tail -n +1 --pid="$cmd_pid" -f "$RESULTS/output.log"
+tail -n +1 --pid="$cmd_pid" -f "$LOG"
 wait "$cmd_pid"
 rc=$?
+cp "$LOG" "$RESULTS/output.log" 2>/dev/null || true
 if [ "$rc" = 124 ]; then
     echo "aiordma-rxe: the command timed out after ${budget}s in the guest (AIORDMA_RXE_TIMEOUT); it got SIGABRT"
     echo "$budget" > "$RESULTS/timed-out"
