@@ -177,6 +177,9 @@ class Endpoint:
         ctx = device.ctx
         dattr = ctx.query_device()
         self._port = ctx.query_port(1)
+        # One work request moves at most the port's max_msg_sz (rxe on 6.1: 8 MiB):
+        # longer READs/WRITEs are posted as several, in order (see _wr_chunks).
+        self._max_wr = min(opts.max_wr_size or self._port.max_msg_sz, self._port.max_msg_sz)
         self._inline = min(opts.inline_threshold, dattr.max_inline_data)
         self._recv_depth = min(opts.recv_depth, dattr.max_qp_wr)
         self._send_depth = min(opts.send_depth, dattr.max_qp_wr)
@@ -242,6 +245,7 @@ class Endpoint:
         self.peer_qp_num = 0
         # counters
         self.messages_sent = 0
+        self.work_requests_posted = 0  # send-queue work requests, every kind
         self.messages_received = 0
         self.bytes_sent = 0
         self.bytes_received = 0
@@ -368,6 +372,7 @@ class Endpoint:
             "rx_queued": len(self._rx),
             "staging_registrations": (self._staging_in.registrations
                                       + self._staging_out.registrations),
+            "work_requests_posted": self.work_requests_posted,
         }
 
     # ---------------------------------------------------------------- memory
@@ -574,9 +579,10 @@ class Endpoint:
         # cancelled, or the READ was a prefetch), do not log it as never retrieved.
         fut.add_done_callback(_consume_exception)
         rx.read_fut = fut
-        wr = SendWR(0, WROpcode.RDMA_READ, [SGE(target.addr, rx.length, target.lkey)],
-                    remote_addr=rx.addr, rkey=rx.rkey)
-        self._oneq.append(_Op(_RNDV_READ, fut, wr=wr, keep=target))
+        wrs = self._wr_chunks(WROpcode.RDMA_READ, target, rx.length, rx.addr, rx.rkey)
+        for wr in wrs[:-1]:
+            self._oneq.append(_Op(_RNDV_READ, None, wr=wr, keep=target))
+        self._oneq.append(_Op(_RNDV_READ, fut, wr=wrs[-1], keep=target))
         self._kick()
         if rx.staging is not None:
             fut.add_done_callback(lambda f: self._rndv_staged(rx, f))
@@ -615,9 +621,8 @@ class Endpoint:
         RemoteAccessError (peer refused: bad rkey, range, or right), ConnectionClosed.
         """
         span = self._one_sided_span(local, remote, writable=False)
-        wr = SendWR(0, WROpcode.RDMA_WRITE, [SGE(span.addr, span.length, span.lkey)],
-                    remote_addr=remote.addr, rkey=remote.rkey)
-        await self._submit(self._oneq, _Op(_WRITE, self._loop.create_future(), wr=wr, keep=span))
+        wrs = self._wr_chunks(WROpcode.RDMA_WRITE, span, span.length, remote.addr, remote.rkey)
+        await self._submit_chunks(self._oneq, _WRITE, wrs, span)
 
     async def read(self, local: Any, remote: RemoteBuffer) -> None:
         """RDMA READ ``len(local)`` bytes from the start of ``remote`` into ``local``.
@@ -625,9 +630,8 @@ class Endpoint:
         Raises as ``write``; ``local`` must be writable.
         """
         span = self._one_sided_span(local, remote, writable=True)
-        wr = SendWR(0, WROpcode.RDMA_READ, [SGE(span.addr, span.length, span.lkey)],
-                    remote_addr=remote.addr, rkey=remote.rkey)
-        await self._submit(self._oneq, _Op(_READ, self._loop.create_future(), wr=wr, keep=span))
+        wrs = self._wr_chunks(WROpcode.RDMA_READ, span, span.length, remote.addr, remote.rkey)
+        await self._submit_chunks(self._oneq, _READ, wrs, span)
 
     async def write_with_imm(self, local: Any, remote: RemoteBuffer, imm: int) -> None:
         """RDMA WRITE with a 32-bit immediate; the peer gets ``imm`` from ``recv_imm()``
@@ -636,9 +640,12 @@ class Endpoint:
             raise ValueError("imm must be an unsigned 32-bit integer")
         span = self._one_sided_span(local, remote, writable=False)
         self._check_send()
-        wr = SendWR(0, WROpcode.RDMA_WRITE_WITH_IMM, [SGE(span.addr, span.length, span.lkey)],
-                    imm_data=imm, remote_addr=remote.addr, rkey=remote.rkey)
-        await self._submit(self._sendq, _Op(_IMM, self._loop.create_future(), wr=wr, keep=span))
+        wrs = self._wr_chunks(WROpcode.RDMA_WRITE, span, span.length, remote.addr, remote.rkey)
+        last = wrs[-1]  # the immediate rides on the last piece, after the data is in place
+        last.opcode = WROpcode.RDMA_WRITE_WITH_IMM
+        last.imm_data = imm
+        # All pieces on the send queue, so no other work can pass between them.
+        await self._submit_chunks(self._sendq, _WRITE, wrs, span, last_kind=_IMM)
 
     async def recv_imm(self) -> int:
         """The immediate of the next ``write_with_imm`` from the peer (in order).
@@ -706,6 +713,46 @@ class Endpoint:
                 self._unqueue(q, op)
             raise
 
+    def _wr_chunks(self, opcode: WROpcode, span: LocalSpan, length: int, remote_addr: int,
+                   rkey: int) -> list[SendWR]:
+        """The work requests that move ``length`` bytes between ``span`` and the remote
+        address: one, or one per ``max_wr_size`` (the port's max_msg_sz) piece."""
+        step = self._max_wr
+        if length <= step:
+            return [SendWR(0, opcode, [SGE(span.addr, length, span.lkey)],
+                           remote_addr=remote_addr, rkey=rkey)]
+        return [SendWR(0, opcode, [SGE(span.addr + off, min(step, length - off), span.lkey)],
+                       remote_addr=remote_addr + off, rkey=rkey)
+                for off in range(0, length, step)]
+
+    async def _submit_chunks(self, q: collections.deque[_Op], kind: int, wrs: list[SendWR],
+                             span: LocalSpan, *, last_kind: int | None = None) -> None:
+        """``_submit`` for an operation posted as several work requests (``_wr_chunks``),
+        in order on ``q``: the last one (of ``last_kind``, default ``kind``) carries the
+        future; the completions of one QP arrive in order, so it completes after the
+        others. A failed piece fails the endpoint, and the last piece then reports it.
+        Cancelled before any piece was posted: none is sent; after: all run."""
+        if len(wrs) == 1:
+            op = _Op(kind if last_kind is None else last_kind, self._loop.create_future(),
+                     wr=wrs[0], keep=span)
+            await self._submit(q, op)
+            return
+        ops = [_Op(kind, None, wr=wr, keep=span) for wr in wrs[:-1]]
+        q.extend(ops)
+        last = _Op(kind if last_kind is None else last_kind, self._loop.create_future(),
+                   wr=wrs[-1], keep=span)
+        ops.append(last)
+        try:
+            await self._submit(q, last)
+        except asyncio.CancelledError:
+            if not any(op.posted for op in ops):
+                for op in ops:
+                    self._unqueue(q, op)
+            elif not last.posted:  # the rest must go, or the operation would be partial
+                q.append(last)
+                self._kick()
+            raise
+
     # ---------------------------------------------------------------- posting
     def _kick(self) -> None:
         """Post now if this is the first request of this loop iteration; otherwise post
@@ -764,14 +811,20 @@ class Endpoint:
             batch.append(op)
         while self._sendq and room > len(batch) and credits.can_send_data():
             op = self._sendq[0]
-            if op.kind != _IMM and not spool.available:
-                break
-            self._sendq.popleft()
-            credits.consume()
-            if op.kind == _DATA:
-                self._build_data(op)
-            elif op.kind == _RNDV:
-                self._build_rndv(op)
+            kind = op.kind
+            if kind == _DATA or kind == _RNDV:
+                if not spool.available:
+                    break
+                self._sendq.popleft()
+                credits.consume()
+                if kind == _DATA:
+                    self._build_data(op)
+                else:
+                    self._build_rndv(op)
+            else:  # _IMM takes a credit; _WRITE (a leading piece of a long one) none
+                self._sendq.popleft()
+                if kind == _IMM:
+                    credits.consume()
             batch.append(op)
         if (credits.should_send_credit() and room > len(batch) and spool.available
                 and not self._close_sent):
@@ -844,6 +897,7 @@ class Endpoint:
                 wr.send_flags = int(wr.send_flags) & ~_SIGNALED
             op.posted = True
             wrs.append(wr)
+        self.work_requests_posted += len(wrs)
         try:
             self._qp.post_send(wrs)
         except RDMAError as exc:

@@ -23,6 +23,8 @@ class EndpointOptions:
     * ``handshake_timeout``: seconds for each step of connection setup.
     * ``poll_mode``/``spin_us``: completion polling policy (see cq_reactor).
     * ``close_timeout``: seconds ``close()`` waits for pending sends and flushes.
+    * ``max_wr_size``: most bytes one RDMA READ/WRITE work request moves (default and
+      ceiling: the port's ``max_msg_sz``); longer transfers are posted in pieces.
     * ``rndv_prefetch``: bytes of large messages read ahead into staging while no
       receiver waits (like a TCP receive buffer); beyond it the sender waits for
       ``recv``.
@@ -41,6 +43,7 @@ class EndpointOptions:
     spin_us: int | None = None
     close_timeout: float = 10.0
     rndv_prefetch: int = 64 * MiB
+    max_wr_size: int | None = None
 
     @classmethod
     def from_kwargs(cls, opts: dict[str, Any]) -> EndpointOptions:
@@ -65,6 +68,8 @@ class EndpointOptions:
             raise ValueError("max_message_size must be in [eager_size, 2**40]")
         if self.signal_interval < 1:
             raise ValueError("signal_interval must be >= 1")
+        if self.max_wr_size is not None and self.max_wr_size < 4 * KiB:
+            raise ValueError("max_wr_size must be >= 4 KiB")
         if self.rndv_prefetch < 0:
             raise ValueError("rndv_prefetch must be >= 0")
         if self.handshake_timeout <= 0 or self.close_timeout <= 0:

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import pytest
 
 import aiordma
+from aiordma.options import EndpointOptions
 
 HOST = os.environ.get("AIORDMA_TEST_IP", "127.0.0.1")
 T = 20.0  # bound for every await in these tests
@@ -194,6 +195,43 @@ async def test_write_with_imm(opts: dict) -> None:
         assert region_buf == local
         with pytest.raises(ValueError):
             await ep.write_with_imm(local, region.remote(), 1 << 32)
+
+
+async def test_long_transfers_are_posted_in_max_wr_size_pieces(opts: dict) -> None:
+    """One work request moves at most the port's max_msg_sz (``max_wr_size`` lowers it):
+    longer WRITE, READ, WRITE_WITH_IMM and rendezvous READs go in order, in pieces,
+    and arrive whole."""
+    n = 64 * 1024 + 123  # 17 pieces of 4 KiB, the last one short
+    async with pair(opts, max_wr_size=4096) as (ep, q):
+        srv = await server_ep(q)
+        region_buf = bytearray(n)
+        region = srv.register(region_buf, remote_read=True, remote_write=True)
+        local = bytearray(payload(n, 7))
+        ep.register(local)
+        posted = ep.statistics()["work_requests_posted"]
+        await asyncio.wait_for(ep.write(local, region.remote()), T)
+        assert region_buf == local
+        assert ep.statistics()["work_requests_posted"] - posted == 17
+        region_buf[:] = payload(n, 8)
+        back = bytearray(n)
+        ep.register(back)
+        await asyncio.wait_for(ep.read(back, region.remote()), T)
+        assert back == region_buf
+        local[:] = payload(n, 9)
+        await asyncio.wait_for(ep.write_with_imm(local, region.remote(), 77), T)
+        assert await asyncio.wait_for(srv.recv_imm(), T) == 77
+        assert region_buf == local  # the immediate came after the last byte
+        big = payload(1 << 20, 10)  # rendezvous: the receiver READs 256 pieces
+        got_before = srv.statistics()["work_requests_posted"]
+        sent = asyncio.ensure_future(ep.send(big))
+        assert await asyncio.wait_for(srv.recv(), T) == big
+        await asyncio.wait_for(sent, T)
+        assert srv.statistics()["work_requests_posted"] - got_before >= 256
+
+
+def test_max_wr_size_is_validated() -> None:
+    with pytest.raises(ValueError, match="max_wr_size must be >= 4 KiB"):
+        EndpointOptions.from_kwargs({"max_wr_size": 100})
 
 
 async def test_atomics(opts: dict) -> None:
