@@ -7,7 +7,9 @@ eager send buffers, and staging caches for rendezvous. Nothing is registered per
 message.
 
 Messages: a message up to ``eager_size - 8`` bytes travels in one SEND (8-byte frame
-header + payload). A larger one goes by rendezvous: the sender SENDs a descriptor of a
+header + payload); small messages queued in the same loop iteration share one SEND (a
+BATCH frame, when the peer announced it understands them), one credit and one
+completion, and are handed to the receiving application one by one. A larger one goes by rendezvous: the sender SENDs a descriptor of a
 registered source (the user's own region when the bytes lie in one registered for
 remote read, else a staging copy), the receiver RDMA-READs it straight into the
 destination (``recv_into`` with a registered buffer) or into staging, then sends
@@ -56,9 +58,14 @@ from .options import EndpointOptions
 from .protocol.credits import CreditState
 from .protocol.errors import RemoteProtocolError
 from .protocol.framing import (
+    BATCH_RECORD,
+    HANDSHAKE_FLAG_BATCH,
     HEADER_SIZE,
     FrameType,
+    batch_records,
     parse_frame,
+    write_batch_header,
+    write_batch_record,
     write_close,
     write_credit,
     write_data_header,
@@ -95,8 +102,8 @@ _INLINE = int(SendFlags.INLINE)
 _SEND = WROpcode.SEND
 _MASK64 = (1 << 64) - 1
 
-# op kinds
-_DATA, _RNDV, _CTRL, _WRITE, _READ, _ATOMIC, _IMM, _RNDV_READ = range(8)
+# op kinds (_BATCH: several _DATA ops sent as one BATCH frame; its payload lists them)
+_DATA, _RNDV, _CTRL, _WRITE, _READ, _ATOMIC, _IMM, _RNDV_READ, _BATCH = range(9)
 _GRACE_S = 1.0  # after the peer's EOF, how long posted work may take to complete
 _PEER_GONE = (WCStatus.RETRY_EXC_ERR, WCStatus.RNR_RETRY_EXC_ERR)
 
@@ -207,6 +214,7 @@ class Endpoint:
         self._sq = SendQueue(self._send_depth, opts.signal_interval)
         self._regions = RegionTable()
         self._credits: CreditState | None = None
+        self._batching = False  # the peer accepts BATCH frames (handshake flag)
         self._ctrlq: collections.deque[_Op] = collections.deque()
         self._oneq: collections.deque[_Op] = collections.deque()
         self._sendq: collections.deque[_Op] = collections.deque()
@@ -242,6 +250,7 @@ class Endpoint:
         self.peer_qp_num = 0
         # counters
         self.messages_sent = 0
+        self.messages_batched = 0  # of messages_sent, those that went in BATCH frames
         self.messages_received = 0
         self.bytes_sent = 0
         self.bytes_received = 0
@@ -259,7 +268,7 @@ class Endpoint:
         return Hello(qp_num=self.qp_num, psn=self._psn, gid=gid, lid=self._port.lid,
                      mtu=int(self._port.active_mtu), recv_credits=self._recv_depth,
                      eager_size=self._eager, max_message_size=self.max_message_size,
-                     provider=self.provider)
+                     provider=self.provider, flags=HANDSHAKE_FLAG_BATCH)
 
     def establish(self, peer: Hello) -> None:
         """Move the QP to RTS towards ``peer``. Raises RDMAError on failure."""
@@ -269,6 +278,7 @@ class Endpoint:
             self._eager_payload = self._eager - HEADER_SIZE
         self.max_message_size = min(self.max_message_size, peer.max_message_size)
         self.peer_qp_num = peer.qp_num
+        self._batching = bool(peer.flags & HANDSHAKE_FLAG_BATCH)
         mtu = MTU(min(peer.mtu, int(self._port.active_mtu)))
         self._qp.modify(QPAttr(QPState.RTR, path_mtu=mtu, dest_qp_num=peer.qp_num,
                                rq_psn=peer.psn, max_dest_rd_atomic=16, min_rnr_timer=12,
@@ -357,6 +367,7 @@ class Endpoint:
         c = self._credits
         return {
             "messages_sent": self.messages_sent,
+            "messages_batched": self.messages_batched,
             "messages_received": self.messages_received,
             "bytes_sent": self.bytes_sent,
             "bytes_received": self.bytes_received,
@@ -592,7 +603,8 @@ class Endpoint:
         self._rx.popleft()
         self.messages_received += 1
         self.bytes_received += rx.length
-        self._repost(rx.slot)
+        if rx.slot >= 0:  # -1: a BATCH message whose buffer a later one re-posts
+            self._repost(rx.slot)
 
     def _consume_rndv(self, rx: _Rx) -> None:
         self._rx.popleft()
@@ -763,7 +775,10 @@ class Endpoint:
             self._sendq.popleft()
             credits.consume()
             if op.kind == _DATA:
-                self._build_data(op)
+                if self._batching and self._sendq and self._sendq[0].kind == _DATA:
+                    op = self._build_batch(op)
+                else:
+                    self._build_data(op)
             elif op.kind == _RNDV:
                 self._build_rndv(op)
             batch.append(op)
@@ -793,6 +808,36 @@ class Endpoint:
         buf[HEADER_SIZE:] = mv
         op.payload = None  # copied: the caller's buffer is free
         op.wr = self._frame_wr(op, HEADER_SIZE + n)
+
+    def _build_batch(self, first: _Op) -> _Op:
+        """Pack ``first`` and the DATA ops after it on the send queue that fit into one
+        BATCH frame; returns the op to post (``first`` itself when only it fits)."""
+        sendq = self._sendq
+        room = self._eager - HEADER_SIZE - BATCH_RECORD - first.payload.nbytes
+        members = [first]
+        while sendq:
+            op = sendq[0]
+            if op.kind != _DATA:
+                break
+            room -= BATCH_RECORD + op.payload.nbytes
+            if room < 0:
+                break
+            members.append(sendq.popleft())
+        if len(members) == 1:
+            self._build_data(first)
+            return first
+        assert self._credits is not None
+        self.messages_batched += len(members)
+        carrier = _Op(_BATCH, None, payload=members)
+        slot = carrier.slot = self._spool.acquire()
+        assert slot is not None
+        buf = self._spool.slot(slot)
+        off = write_batch_header(buf, self._credits.take_piggyback(), len(members))
+        for op in members:
+            off = write_batch_record(buf, off, op.payload)
+            op.payload = None  # copied: the caller's buffer is free
+        carrier.wr = self._frame_wr(carrier, off)
+        return carrier
 
     def _build_rndv(self, op: _Op) -> None:
         assert self._credits is not None
@@ -837,6 +882,9 @@ class Endpoint:
             else:
                 wr.send_flags = int(wr.send_flags) & ~_SIGNALED
             op.posted = True
+            if op.kind == _BATCH:
+                for m in op.payload:
+                    m.posted = True
             wrs.append(wr)
         try:
             self._qp.post_send(wrs)
@@ -899,6 +947,14 @@ class Endpoint:
         if exc is None and wc is not None and wc.status != WCStatus.SUCCESS:
             exc = self._op_error(wc)
         fut = op.fut
+        if op.kind == _BATCH:
+            for m in op.payload:
+                if m.fut is not None and not m.fut.done():
+                    if exc is None:
+                        m.fut.set_result(None)
+                    else:
+                        m.fut.set_exception(exc)
+            return
         if op.kind == _RNDV:
             src = op.payload
             if exc is not None:
@@ -970,6 +1026,21 @@ class Endpoint:
         if ftype == FrameType.DATA:
             self._rx.append(_Rx(_RX_DATA, slot=slot, offset=base + frame.payload_offset,
                                 length=frame.payload_len))
+            self._wake(self._rx_waiters)
+        elif ftype == FrameType.BATCH:
+            try:
+                records = batch_records(pool.view[base: base + pool.slot_size], wc.byte_len,
+                                        frame.aux, self.max_message_size)
+            except RemoteProtocolError as exc:
+                self._rpool.release(slot)
+                self._fail(exc)
+                return
+            # one buffer, many messages: the last one's consumption re-posts it
+            rxq = self._rx
+            last = len(records) - 1
+            for i, (off, n) in enumerate(records):
+                rxq.append(_Rx(_RX_DATA, slot=slot if i == last else -1,
+                               offset=base + off, length=n))
             self._wake(self._rx_waiters)
         elif ftype == FrameType.RNDV:
             rx = _Rx(_RX_RNDV, length=frame.rndv_length, addr=frame.rndv_addr,
@@ -1119,7 +1190,7 @@ class Endpoint:
                     self._release_source(op.payload)
                 if op.fut is not None and not op.fut.done():
                     op.fut.set_exception(err)
-        for _wr_id, op in list(self._sq._q):
+        for op in self._posted_ops():
             if op.fut is not None and not op.fut.done():
                 op.fut.set_exception(self._closed_error())
         for op in self._rndv_out.values():
@@ -1135,6 +1206,16 @@ class Endpoint:
             self._control.close()
         self._start_teardown()
         self._check_drained()
+
+    def _posted_ops(self) -> list[_Op]:
+        """The ops on the send queue, the messages of BATCH frames listed one by one."""
+        out: list[_Op] = []
+        for _wr_id, op in self._sq._q:
+            if op.kind == _BATCH:
+                out.extend(op.payload)
+            else:
+                out.append(op)
+        return out
 
     def _check_drained(self) -> None:
         if self._failed and not self._sq.used and not self._posted_recvs and not self._drained.done():
@@ -1251,7 +1332,7 @@ class Endpoint:
         if self._credits is None:
             raise ConnectionClosed("endpoint is not connected")
         if self._eof is None:
-            pending = [op.fut for op in (*self._sendq, *(op for _w, op in self._sq._q),
+            pending = [op.fut for op in (*self._sendq, *self._posted_ops(),
                                          *self._rndv_out.values())
                        if op.kind in (_DATA, _RNDV, _IMM) and op.fut is not None
                        and not op.fut.done()]

@@ -92,7 +92,8 @@ async def test_peer_closed_with_our_sends_short_of_credits_fails_them(provider_n
     peer sent before its CLOSE stays readable."""
     async with pair(provider_name, recv_depth=4) as (ep, srv):
         await srv.send(b"before close")
-        sends = [asyncio.ensure_future(ep.send(b"x" * 100)) for _ in range(20)]
+        # over half the eager size: no two share a BATCH frame, so 20 need 20 credits
+        sends = [asyncio.ensure_future(ep.send(b"x" * 9000)) for _ in range(20)]
         await asyncio.sleep(0.1)
         await asyncio.wait_for(srv.close(), T)
         results = await asyncio.wait_for(asyncio.gather(*sends, return_exceptions=True), T)
