@@ -146,7 +146,7 @@ class _Rx:
     """A received message waiting for the application (head of the receive queue)."""
 
     __slots__ = ("kind", "slot", "offset", "length", "addr", "rkey", "msg_id", "read_fut",
-                 "staging", "done_sent")
+                 "staging", "done_sent", "deferred")
 
     def __init__(self, kind: int, slot: int = -1, offset: int = 0, length: int = 0, *,
                  addr: int = 0, rkey: int = 0, msg_id: int = 0) -> None:
@@ -160,6 +160,7 @@ class _Rx:
         self.read_fut: asyncio.Future[None] | None = None
         self.staging: Staging | None = None
         self.done_sent = False
+        self.deferred = False  # a rendezvous message not read ahead on arrival
 
 
 _RX_DATA, _RX_RNDV, _RX_EOF = range(3)
@@ -225,6 +226,8 @@ class Endpoint:
         self._recv_lock = asyncio.Lock()
         self._rndv_out: dict[int, _Op] = {}
         self._prefetched = 0  # bytes of rendezvous messages read ahead into staging
+        self._deferred = 0  # rendezvous messages queued without a READ (rx.deferred)
+        self._prefetch_scheduled = False
         self._msg_ids = itertools.count(1)
         self._posted_recvs = 0
         self._repost_q: list[int] = []  # consumed receive buffers not re-posted yet
@@ -252,6 +255,7 @@ class Endpoint:
         self.messages_sent = 0
         self.messages_batched = 0  # of messages_sent, those that went in BATCH frames
         self.messages_received = 0
+        self.rndv_staged = 0  # rendezvous messages READ into staging (then copied)
         self.bytes_sent = 0
         self.bytes_received = 0
         for _i in range(self._recv_depth):
@@ -369,6 +373,7 @@ class Endpoint:
             "messages_sent": self.messages_sent,
             "messages_batched": self.messages_batched,
             "messages_received": self.messages_received,
+            "rndv_staged": self.rndv_staged,
             "bytes_sent": self.bytes_sent,
             "bytes_received": self.bytes_received,
             "send_queue_used": self._sq.used,
@@ -477,6 +482,8 @@ class Endpoint:
             return await self._recv_locked()
         finally:
             self._receivers -= 1
+            if not self._receivers and self._deferred:
+                self._schedule_prefetch()
 
     async def _recv_locked(self) -> bytes:
         async with self._recv_lock:
@@ -526,6 +533,8 @@ class Endpoint:
             return await self._recv_into_locked(out)
         finally:
             self._receivers -= 1
+            if not self._receivers and self._deferred:
+                self._schedule_prefetch()
 
     async def _recv_into_locked(self, out: memoryview) -> int:
         async with self._recv_lock:
@@ -587,9 +596,33 @@ class Endpoint:
             await _uncancelled(self._start_rndv_read(rx, span))
         return rx.staging
 
+    def _schedule_prefetch(self) -> None:
+        """No receive is in progress: read ahead the rendezvous messages that arrived
+        meanwhile -- at the end of this loop iteration, so that an application that
+        receives again right away has them READ straight into its buffer instead."""
+        if not self._prefetch_scheduled:
+            self._prefetch_scheduled = True
+            self._loop.call_soon(self._prefetch_deferred)
+
+    def _prefetch_deferred(self) -> None:
+        self._prefetch_scheduled = False
+        if self._receivers or self._failed or self._peer_gone:
+            return
+        for rx in self._rx:
+            if not self._deferred:
+                return
+            if rx.deferred and rx.read_fut is None:
+                if self._prefetched + rx.length > self._opts.rndv_prefetch:
+                    return
+                self._start_rndv_read(rx, None)
+
     def _start_rndv_read(self, rx: _Rx, span: LocalSpan | None) -> asyncio.Future[None]:
         """Post the READ of rendezvous message ``rx`` into ``span`` or a staging lease."""
+        if rx.deferred:
+            rx.deferred = False
+            self._deferred -= 1
         if span is None:
+            self.rndv_staged += 1
             rx.staging = self._staging_in.lease(rx.length)
             self._prefetched += rx.length
             target = LocalSpan(rx.staging.mr.addr, rx.length, rx.staging.mr.lkey, rx.staging)
@@ -1067,8 +1100,15 @@ class Endpoint:
             self._repost(slot)
             if self._rx_waiters:
                 self._wake(self._rx_waiters)  # the waiting receiver picks the destination
-            elif self._prefetched + rx.length <= self._opts.rndv_prefetch:
+            elif (not self._receivers
+                  and self._prefetched + rx.length <= self._opts.rndv_prefetch):
                 self._start_rndv_read(rx, None)  # buffer it now, like a TCP receive buffer
+            else:
+                # a receive is in progress (its next one READs this straight into the
+                # caller's buffer, no staging copy), or the read-ahead budget is spent:
+                # read it ahead once nobody receives (_schedule_prefetch)
+                rx.deferred = True
+                self._deferred += 1
         elif ftype == FrameType.RNDV_DONE:
             self._repost(slot)
             op = self._rndv_out.pop(frame.aux, None)

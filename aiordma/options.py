@@ -23,9 +23,10 @@ class EndpointOptions:
     * ``handshake_timeout``: seconds for each step of connection setup.
     * ``poll_mode``/``spin_us``: completion polling policy (see cq_reactor).
     * ``close_timeout``: seconds ``close()`` waits for pending sends and flushes.
-    * ``rndv_prefetch``: bytes of large messages read ahead into staging while no
-      receiver waits (like a TCP receive buffer); beyond it the sender waits for
-      ``recv``.
+    * ``rndv_prefetch``: bytes of large messages read ahead into staging while the
+      application is not receiving (like a TCP receive buffer); beyond it the sender
+      waits for ``recv``. While a receive is in progress, arriving messages wait for
+      the next one, which READs them straight into its buffer (no staging copy).
     """
 
     provider: str | None = None

@@ -174,6 +174,34 @@ async def test_recv_into_registered_buffer_is_zero_copy(opts: dict) -> None:
         await asyncio.wait_for(send, T)
 
 
+async def test_rendezvous_read_ahead_only_while_nobody_receives(opts: dict) -> None:
+    """Large messages are read ahead into staging while the application does not
+    receive (the sender's send completes); while it receives, later ones wait and are
+    READ straight into its buffer (no staging copy)."""
+    big = [payload(300_000, i) for i in range(8)]
+    async with pair(opts) as (ep, q):
+        srv = await server_ep(q)
+        await asyncio.wait_for(asyncio.gather(*(ep.send(m) for m in big[:3])), T)
+        assert srv.statistics()["rndv_staged"] == 3
+        buf = bytearray(300_000)
+        srv.register(buf)
+        for m in big[:3]:
+            assert await asyncio.wait_for(srv.recv_into(buf), T) == len(m) and buf == m
+
+        async def receive() -> list[bytes]:
+            out = []
+            for _ in big:
+                n = await srv.recv_into(buf)
+                out.append(bytes(buf[:n]))
+            return out
+
+        receiver = asyncio.ensure_future(receive())
+        await asyncio.sleep(0.01)  # the receiver waits
+        await asyncio.wait_for(asyncio.gather(*(ep.send(m) for m in big)), T)
+        assert await asyncio.wait_for(receiver, T) == big
+        assert srv.statistics()["rndv_staged"] <= 3 + 1
+
+
 async def test_max_message_size(opts: dict) -> None:
     async with pair(opts, max_message_size=1 << 20) as (ep, q):
         await server_ep(q)
