@@ -130,7 +130,7 @@ class _Op:
 
     __slots__ = ("kind", "fut", "slot", "keep", "wr", "payload", "msg_id", "posted")
 
-    def __init__(self, kind: int, fut: asyncio.Future[Any] | None, *, payload: Any = None,
+    def __init__(self, kind: int, fut: asyncio.Future[Any] | None, payload: Any = None, *,
                  wr: SendWR | None = None, keep: Any = None, msg_id: int = 0) -> None:
         self.kind = kind
         self.fut = fut
@@ -231,9 +231,9 @@ class Endpoint:
         self._msg_ids = itertools.count(1)
         self._posted_recvs = 0
         self._repost_q: list[int] = []  # consumed receive buffers not re-posted yet
-        self._repost_scheduled = False
         self._receivers = 0  # recv/recv_into calls in progress (the fast path needs none)
-        self._in_tick = False
+        self._in_tick = False  # a request was posted in this loop iteration
+        self._tick_scheduled = False  # _end_tick is scheduled
         self._pump_scheduled = False
         self._first_error: BaseException | None = None
         self._failed = False
@@ -434,7 +434,7 @@ class Endpoint:
                                   f"{self.max_message_size}", n)
         fut: asyncio.Future[None] = self._loop.create_future()
         if n <= self._eager_payload:
-            op = _Op(_DATA, fut, payload=mv)
+            op = _Op(_DATA, fut, mv)
         else:
             op = _Op(_RNDV, fut, payload=self._rndv_source(mv), msg_id=next(self._msg_ids))
         # _submit, inlined (one coroutine frame less per message)
@@ -778,11 +778,18 @@ class Endpoint:
             self._loop.call_soon(self._pump_soon)
         else:
             self._in_tick = True
-            self._loop.call_soon(self._end_tick)
+            if not self._tick_scheduled:
+                self._tick_scheduled = True
+                self._loop.call_soon(self._end_tick)
             self._pump()
 
     def _end_tick(self) -> None:
+        """End of the loop iteration (one callback for both): the next request is
+        posted at once again; the receive buffers consumed meanwhile go back."""
+        self._tick_scheduled = False
         self._in_tick = False
+        if self._repost_q:
+            self._flush_reposts()
 
     def _pump_soon(self) -> None:
         self._pump_scheduled = False
@@ -1161,12 +1168,11 @@ class Endpoint:
             self._rpool.release(slot)
             return
         self._repost_q.append(slot)
-        if not self._repost_scheduled:
-            self._repost_scheduled = True
-            self._loop.call_soon(self._flush_reposts)
+        if not self._tick_scheduled:
+            self._tick_scheduled = True
+            self._loop.call_soon(self._end_tick)
 
     def _flush_reposts(self) -> None:
-        self._repost_scheduled = False
         slots = self._repost_q
         if not slots:
             return
