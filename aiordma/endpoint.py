@@ -64,8 +64,7 @@ from .protocol.framing import (
     FrameType,
     batch_records,
     parse_frame,
-    write_batch_header,
-    write_batch_record,
+    write_batch,
     write_close,
     write_credit,
     write_data_header,
@@ -232,8 +231,8 @@ class Endpoint:
         self._posted_recvs = 0
         self._repost_q: list[int] = []  # consumed receive buffers not re-posted yet
         self._receivers = 0  # recv/recv_into calls in progress (the fast path needs none)
-        self._in_tick = False  # a request was posted in this loop iteration
-        self._tick_scheduled = False  # _end_tick is scheduled
+        self._in_tick = False  # the post fast path was used (see _kick)
+        self._repost_scheduled = False
         self._pump_scheduled = False
         self._first_error: BaseException | None = None
         self._failed = False
@@ -769,8 +768,14 @@ class Endpoint:
 
     # ---------------------------------------------------------------- posting
     def _kick(self) -> None:
-        """Post now if this is the first request of this loop iteration; otherwise post
-        once at the end of the iteration, as one chain (batching)."""
+        """Post now (the latency fast path) unless something was already posted that
+        way since the last completion arrived; then post at the end of this loop
+        iteration, everything queued meanwhile as one chain (batching: a burst of
+        sends from tasks that one completion woke shares WRs and BATCH frames).
+
+        ``_in_tick`` marks the fast path as used; a completion (the loop turned) or the
+        end-of-iteration pump clears it, so no callback per request is needed.
+        """
         if self._pump_scheduled:
             return
         if self._in_tick:
@@ -778,21 +783,11 @@ class Endpoint:
             self._loop.call_soon(self._pump_soon)
         else:
             self._in_tick = True
-            if not self._tick_scheduled:
-                self._tick_scheduled = True
-                self._loop.call_soon(self._end_tick)
             self._pump()
-
-    def _end_tick(self) -> None:
-        """End of the loop iteration (one callback for both): the next request is
-        posted at once again; the receive buffers consumed meanwhile go back."""
-        self._tick_scheduled = False
-        self._in_tick = False
-        if self._repost_q:
-            self._flush_reposts()
 
     def _pump_soon(self) -> None:
         self._pump_scheduled = False
+        self._in_tick = False
         self._pump()
 
     def _pump(self) -> None:
@@ -888,11 +883,10 @@ class Endpoint:
         slot = carrier.slot = self._spool.acquire()
         assert slot is not None
         buf = self._spool.slot(slot)
-        off = write_batch_header(buf, self._credits.take_piggyback(), len(members))
+        n = write_batch(buf, self._credits.take_piggyback(), [op.payload for op in members])
         for op in members:
-            off = write_batch_record(buf, off, op.payload)
             op.payload = None  # copied: the caller's buffer is free
-        carrier.wr = self._frame_wr(carrier, off)
+        carrier.wr = self._frame_wr(carrier, n)
         return carrier
 
     def _build_rndv(self, op: _Op) -> None:
@@ -972,6 +966,7 @@ class Endpoint:
 
     # ---------------------------------------------------------------- completions
     def _on_send_wc(self, wc: WC, _arg: Any) -> None:
+        self._in_tick = False
         entries = self._sq.complete(wc.wr_id)
         if not entries:
             return
@@ -1048,6 +1043,7 @@ class Endpoint:
         return err
 
     def _on_recv_wc(self, wc: WC, slot: int) -> None:
+        self._in_tick = False
         self._posted_recvs -= 1
         if wc.status != WCStatus.SUCCESS:
             self._rpool.release(slot)
@@ -1161,16 +1157,24 @@ class Endpoint:
     def _repost(self, slot: int) -> None:
         """Give a consumed receive buffer back to the peer (one more credit owed).
 
-        Buffers consumed in one loop iteration are posted together, at its end or
-        before our next send (whichever comes first), so the credit still rides on it.
+        When nothing else waits to be received, post it now (with whatever else is
+        pending). While a burst is consumed, the buffers are posted together: at the
+        end of the burst, at the end of the loop iteration, or before our next send,
+        whichever comes first, so the credit still rides on it.
         """
         if self._failed or self._done.done():
             self._rpool.release(slot)
             return
         self._repost_q.append(slot)
-        if not self._tick_scheduled:
-            self._tick_scheduled = True
-            self._loop.call_soon(self._end_tick)
+        if not self._rx:
+            self._flush_reposts()
+        elif not self._repost_scheduled:
+            self._repost_scheduled = True
+            self._loop.call_soon(self._repost_soon)
+
+    def _repost_soon(self) -> None:
+        self._repost_scheduled = False
+        self._flush_reposts()
 
     def _flush_reposts(self) -> None:
         slots = self._repost_q

@@ -24,6 +24,7 @@ from aiordma.protocol import (
 from aiordma.protocol.framing import (
     BATCH_RECORD,
     batch_records,
+    write_batch,
     write_batch_header,
     write_batch_record,
 )
@@ -228,6 +229,8 @@ def test_batch_roundtrip(msgs: list[bytes], credits: int) -> None:
     assert (f.type, f.credits, f.aux) == (FrameType.BATCH, credits, len(msgs))
     recs = batch_records(buf, off, f.aux, MAX)
     assert [bytes(buf[o:o + n]) for o, n in recs] == msgs
+    again = bytearray(len(buf))
+    assert write_batch(again, credits, msgs) == len(buf) and again == buf
 
 
 def test_batch_records_reject_malformed() -> None:
@@ -245,3 +248,7 @@ def test_batch_records_reject_malformed() -> None:
         write_batch_header(buf, 0, 0)
     with pytest.raises(LocalProtocolError, match="does not fit"):
         write_batch_record(bytearray(16), 8, b"12345")
+    with pytest.raises(LocalProtocolError, match="does not fit"):
+        write_batch(bytearray(20), 0, [b"1234", b"5"])
+    with pytest.raises(LocalProtocolError, match="at least one message"):
+        write_batch(bytearray(20), 0, [])

@@ -59,6 +59,7 @@ __all__ = [
     "BATCH_RECORD",
     "HANDSHAKE_FLAG_BATCH",
     "batch_records",
+    "write_batch",
     "write_batch_header",
     "write_batch_record",
 ]
@@ -286,6 +287,27 @@ def write_batch_header(buf: WritableBuffer, credits: int, count: int) -> int:
     except (struct.error, ValueError, TypeError):
         raise _bad_args(buf, HEADER_SIZE, credits, count=(count, _U32)) from None
     return HEADER_SIZE
+
+
+def write_batch(buf: WritableBuffer, credits: int, payloads: list[ReadableBuffer]) -> int:
+    """Write a whole BATCH frame of ``payloads`` (at least one; byte-format buffers) at
+    ``buf[0:]``; returns its length. Raises ``LocalProtocolError`` when it does not fit
+    (nothing useful is left in ``buf`` then)."""
+    off = write_batch_header(buf, credits, len(payloads))
+    size = len(buf)
+    pack = _REC.pack_into
+    for p in payloads:
+        n = len(p)
+        start = off + BATCH_RECORD
+        end = start + n
+        if end > size:
+            raise LocalProtocolError(
+                f"a {n}-byte BATCH record at {off} does not fit a {size}-byte buffer"
+            )
+        pack(buf, off, n)
+        buf[start:end] = p
+        off = end
+    return off
 
 
 def write_batch_record(buf: WritableBuffer, offset: int, payload: ReadableBuffer) -> int:
