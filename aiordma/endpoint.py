@@ -966,11 +966,15 @@ class Endpoint:
 
     # ---------------------------------------------------------------- completions
     def _on_send_wc(self, wc: WC, _arg: Any) -> None:
-        self._in_tick = False
         entries = self._sq.complete(wc.wr_id)
         if not entries:
+            self._in_tick = False
             return
         last = len(entries) - 1
+        # One finished send (a round trip): the next one may go at once. Several (a
+        # window of senders wakes up): what they send next is batched at the end of
+        # the iteration instead of the first going alone.
+        self._in_tick = last > 0 or entries[0][1].kind == _BATCH
         for i, (wr_id, op) in enumerate(entries):
             if i < last:
                 self._reactor.unregister(wr_id)
