@@ -166,6 +166,10 @@ class SoftCompChannel(CompChannel):
             return True
         return False
 
+    def ack_sent(self, qp: Any) -> None:
+        """Lock held: ``qp``'s deferred ACK went out with other traffic."""
+        self._acks.discard(qp)
+
     @property
     def flush_wanted(self) -> bool:
         """True when ``flush()`` has deferred work (the caller runs it once the
