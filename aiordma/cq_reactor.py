@@ -142,6 +142,7 @@ class CQReactor:
         self._poll_scheduled = False
         self._spin_scheduled = False
         self._spin_deadline = 0.0
+        self._expedite = False
         # statistics
         self.wakeups = 0
         self.spins = 0
@@ -234,13 +235,25 @@ class CQReactor:
         """The provider has bytes to move (manual progress): move them here, then
         collect the events and completions they produced. Work the provider deferred
         (coalesced acknowledgements) is flushed after the callbacks this dispatch
-        scheduled have run, so that it can ride on what the application sends."""
+        scheduled have run, so that it can ride on what the application sends (or at
+        once, when a handler asked for it with ``expedite``)."""
         assert slot.progress is not None
         slot.progress(True)
+        self._expedite = False
         self._on_readable(slot)
-        if not slot.flush_scheduled and slot.channel.flush_wanted:  # type: ignore[attr-defined]
-            slot.flush_scheduled = True
-            self.loop.call_soon(self._flush, slot)
+        if slot.channel.flush_wanted:  # type: ignore[attr-defined]
+            if self._expedite:
+                slot.channel.flush()  # type: ignore[attr-defined]
+            elif not slot.flush_scheduled:
+                slot.flush_scheduled = True
+                self.loop.call_soon(self._flush, slot)
+
+    def expedite(self) -> None:
+        """Called by a completion handler: the application will not answer what it was
+        just given right away (e.g. a burst of messages to consume), so deferred
+        provider work (coalesced acknowledgements the peer waits for) is flushed as
+        soon as this dispatch ends instead of after the loop's callbacks."""
+        self._expedite = True
 
     def _flush(self, slot: _CQSlot) -> None:
         slot.flush_scheduled = False

@@ -7,7 +7,9 @@ eager send buffers, and staging caches for rendezvous. Nothing is registered per
 message.
 
 Messages: a message up to ``eager_size - 8`` bytes travels in one SEND (8-byte frame
-header + payload). A larger one goes by rendezvous: the sender SENDs a descriptor of a
+header + payload); small messages queued in the same loop iteration share one SEND (a
+BATCH frame, when the peer announced it understands them), one credit and one
+completion, and are handed to the receiving application one by one. A larger one goes by rendezvous: the sender SENDs a descriptor of a
 registered source (the user's own region when the bytes lie in one registered for
 remote read, else a staging copy), the receiver RDMA-READs it straight into the
 destination (``recv_into`` with a registered buffer) or into staging, then sends
@@ -56,9 +58,13 @@ from .options import EndpointOptions
 from .protocol.credits import CreditState
 from .protocol.errors import RemoteProtocolError
 from .protocol.framing import (
+    BATCH_RECORD,
+    HANDSHAKE_FLAG_BATCH,
     HEADER_SIZE,
     FrameType,
+    batch_records,
     parse_frame,
+    write_batch,
     write_close,
     write_credit,
     write_data_header,
@@ -95,8 +101,8 @@ _INLINE = int(SendFlags.INLINE)
 _SEND = WROpcode.SEND
 _MASK64 = (1 << 64) - 1
 
-# op kinds
-_DATA, _RNDV, _CTRL, _WRITE, _READ, _ATOMIC, _IMM, _RNDV_READ = range(8)
+# op kinds (_BATCH: several _DATA ops sent as one BATCH frame; its payload lists them)
+_DATA, _RNDV, _CTRL, _WRITE, _READ, _ATOMIC, _IMM, _RNDV_READ, _BATCH = range(9)
 _GRACE_S = 1.0  # after the peer's EOF, how long posted work may take to complete
 _PEER_GONE = (WCStatus.RETRY_EXC_ERR, WCStatus.RNR_RETRY_EXC_ERR)
 
@@ -123,7 +129,7 @@ class _Op:
 
     __slots__ = ("kind", "fut", "slot", "keep", "wr", "payload", "msg_id", "posted")
 
-    def __init__(self, kind: int, fut: asyncio.Future[Any] | None, *, payload: Any = None,
+    def __init__(self, kind: int, fut: asyncio.Future[Any] | None, payload: Any = None, *,
                  wr: SendWR | None = None, keep: Any = None, msg_id: int = 0) -> None:
         self.kind = kind
         self.fut = fut
@@ -139,9 +145,9 @@ class _Rx:
     """A received message waiting for the application (head of the receive queue)."""
 
     __slots__ = ("kind", "slot", "offset", "length", "addr", "rkey", "msg_id", "read_fut",
-                 "staging", "done_sent")
+                 "staging", "done_sent", "deferred")
 
-    def __init__(self, kind: int, *, slot: int = -1, offset: int = 0, length: int = 0,
+    def __init__(self, kind: int, slot: int = -1, offset: int = 0, length: int = 0, *,
                  addr: int = 0, rkey: int = 0, msg_id: int = 0) -> None:
         self.kind = kind
         self.slot = slot
@@ -153,6 +159,7 @@ class _Rx:
         self.read_fut: asyncio.Future[None] | None = None
         self.staging: Staging | None = None
         self.done_sent = False
+        self.deferred = False  # a rendezvous message not read ahead on arrival
 
 
 _RX_DATA, _RX_RNDV, _RX_EOF = range(3)
@@ -210,6 +217,7 @@ class Endpoint:
         self._sq = SendQueue(self._send_depth, opts.signal_interval)
         self._regions = RegionTable()
         self._credits: CreditState | None = None
+        self._batching = False  # the peer accepts BATCH frames (handshake flag)
         self._ctrlq: collections.deque[_Op] = collections.deque()
         self._oneq: collections.deque[_Op] = collections.deque()
         self._sendq: collections.deque[_Op] = collections.deque()
@@ -220,12 +228,14 @@ class Endpoint:
         self._recv_lock = asyncio.Lock()
         self._rndv_out: dict[int, _Op] = {}
         self._prefetched = 0  # bytes of rendezvous messages read ahead into staging
+        self._deferred = 0  # rendezvous messages queued without a READ (rx.deferred)
+        self._prefetch_scheduled = False
         self._msg_ids = itertools.count(1)
         self._posted_recvs = 0
         self._repost_q: list[int] = []  # consumed receive buffers not re-posted yet
-        self._repost_scheduled = False
         self._receivers = 0  # recv/recv_into calls in progress (the fast path needs none)
-        self._in_tick = False
+        self._in_tick = False  # the post fast path was used (see _kick)
+        self._repost_scheduled = False
         self._pump_scheduled = False
         self._first_error: BaseException | None = None
         self._failed = False
@@ -246,7 +256,9 @@ class Endpoint:
         # counters
         self.messages_sent = 0
         self.work_requests_posted = 0  # send-queue work requests, every kind
+        self.messages_batched = 0  # of messages_sent, those that went in BATCH frames
         self.messages_received = 0
+        self.rndv_staged = 0  # rendezvous messages READ into staging (then copied)
         self.bytes_sent = 0
         self.bytes_received = 0
         for _i in range(self._recv_depth):
@@ -263,7 +275,7 @@ class Endpoint:
         return Hello(qp_num=self.qp_num, psn=self._psn, gid=gid, lid=self._port.lid,
                      mtu=int(self._port.active_mtu), recv_credits=self._recv_depth,
                      eager_size=self._eager, max_message_size=self.max_message_size,
-                     provider=self.provider)
+                     provider=self.provider, flags=HANDSHAKE_FLAG_BATCH)
 
     def establish(self, peer: Hello) -> None:
         """Move the QP to RTS towards ``peer``. Raises RDMAError on failure."""
@@ -273,6 +285,7 @@ class Endpoint:
             self._eager_payload = self._eager - HEADER_SIZE
         self.max_message_size = min(self.max_message_size, peer.max_message_size)
         self.peer_qp_num = peer.qp_num
+        self._batching = bool(peer.flags & HANDSHAKE_FLAG_BATCH)
         mtu = MTU(min(peer.mtu, int(self._port.active_mtu)))
         self._qp.modify(QPAttr(QPState.RTR, path_mtu=mtu, dest_qp_num=peer.qp_num,
                                rq_psn=peer.psn, max_dest_rd_atomic=16, min_rnr_timer=12,
@@ -361,7 +374,9 @@ class Endpoint:
         c = self._credits
         return {
             "messages_sent": self.messages_sent,
+            "messages_batched": self.messages_batched,
             "messages_received": self.messages_received,
+            "rndv_staged": self.rndv_staged,
             "bytes_sent": self.bytes_sent,
             "bytes_received": self.bytes_received,
             "send_queue_used": self._sq.used,
@@ -406,7 +421,9 @@ class Endpoint:
         copied (eager) or must not change until ``send`` returns (rendezvous from a
         registered region).
         """
-        self._check_send()
+        if (self._failed or self._closing is not None or self._eof is not None
+                or self._peer_gone or self._credits is None):
+            self._check_send()  # raises the precise error
         try:
             mv = memoryview(data)
         except TypeError:
@@ -421,10 +438,19 @@ class Endpoint:
                                   f"{self.max_message_size}", n)
         fut: asyncio.Future[None] = self._loop.create_future()
         if n <= self._eager_payload:
-            op = _Op(_DATA, fut, payload=mv)
+            op = _Op(_DATA, fut, mv)
         else:
             op = _Op(_RNDV, fut, payload=self._rndv_source(mv), msg_id=next(self._msg_ids))
-        await self._submit(self._sendq, op)
+        # _submit, inlined (one coroutine frame less per message)
+        q = self._sendq
+        q.append(op)
+        self._kick()
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if not op.posted:
+                self._unqueue(q, op)
+            raise
         self.messages_sent += 1
         self.bytes_sent += n
 
@@ -460,6 +486,8 @@ class Endpoint:
             return await self._recv_locked()
         finally:
             self._receivers -= 1
+            if not self._receivers and self._deferred:
+                self._schedule_prefetch()
 
     async def _recv_locked(self) -> bytes:
         async with self._recv_lock:
@@ -495,15 +523,22 @@ class Endpoint:
             rx = rxq[0]
             if rx.kind == _RX_DATA and rx.length <= out.nbytes:
                 # already here, nobody queued before us: no lock, no await
+                # (_consume_data, inlined)
                 n = rx.length
                 out[:n] = self._rpool.view[rx.offset: rx.offset + n]
-                self._consume_data(rx)
+                rxq.popleft()
+                self.messages_received += 1
+                self.bytes_received += n
+                if rx.slot >= 0:
+                    self._repost(rx.slot)
                 return n
         self._receivers += 1
         try:
             return await self._recv_into_locked(out)
         finally:
             self._receivers -= 1
+            if not self._receivers and self._deferred:
+                self._schedule_prefetch()
 
     async def _recv_into_locked(self, out: memoryview) -> int:
         async with self._recv_lock:
@@ -565,9 +600,33 @@ class Endpoint:
             await _uncancelled(self._start_rndv_read(rx, span))
         return rx.staging
 
+    def _schedule_prefetch(self) -> None:
+        """No receive is in progress: read ahead the rendezvous messages that arrived
+        meanwhile -- at the end of this loop iteration, so that an application that
+        receives again right away has them READ straight into its buffer instead."""
+        if not self._prefetch_scheduled:
+            self._prefetch_scheduled = True
+            self._loop.call_soon(self._prefetch_deferred)
+
+    def _prefetch_deferred(self) -> None:
+        self._prefetch_scheduled = False
+        if self._receivers or self._failed or self._peer_gone:
+            return
+        for rx in self._rx:
+            if not self._deferred:
+                return
+            if rx.deferred and rx.read_fut is None:
+                if self._prefetched + rx.length > self._opts.rndv_prefetch:
+                    return
+                self._start_rndv_read(rx, None)
+
     def _start_rndv_read(self, rx: _Rx, span: LocalSpan | None) -> asyncio.Future[None]:
         """Post the READ of rendezvous message ``rx`` into ``span`` or a staging lease."""
+        if rx.deferred:
+            rx.deferred = False
+            self._deferred -= 1
         if span is None:
+            self.rndv_staged += 1
             rx.staging = self._staging_in.lease(rx.length)
             self._prefetched += rx.length
             target = LocalSpan(rx.staging.mr.addr, rx.length, rx.staging.mr.lkey, rx.staging)
@@ -598,7 +657,8 @@ class Endpoint:
         self._rx.popleft()
         self.messages_received += 1
         self.bytes_received += rx.length
-        self._repost(rx.slot)
+        if rx.slot >= 0:  # -1: a BATCH message whose buffer a later one re-posts
+            self._repost(rx.slot)
 
     def _consume_rndv(self, rx: _Rx) -> None:
         self._rx.popleft()
@@ -755,8 +815,14 @@ class Endpoint:
 
     # ---------------------------------------------------------------- posting
     def _kick(self) -> None:
-        """Post now if this is the first request of this loop iteration; otherwise post
-        once at the end of the iteration, as one chain (batching)."""
+        """Post now (the latency fast path) unless something was already posted that
+        way since the last completion arrived; then post at the end of this loop
+        iteration, everything queued meanwhile as one chain (batching: a burst of
+        sends from tasks that one completion woke shares WRs and BATCH frames).
+
+        ``_in_tick`` marks the fast path as used; a completion (the loop turned) or the
+        end-of-iteration pump clears it, so no callback per request is needed.
+        """
         if self._pump_scheduled:
             return
         if self._in_tick:
@@ -764,14 +830,11 @@ class Endpoint:
             self._loop.call_soon(self._pump_soon)
         else:
             self._in_tick = True
-            self._loop.call_soon(self._end_tick)
             self._pump()
-
-    def _end_tick(self) -> None:
-        self._in_tick = False
 
     def _pump_soon(self) -> None:
         self._pump_scheduled = False
+        self._in_tick = False
         self._pump()
 
     def _pump(self) -> None:
@@ -817,10 +880,12 @@ class Endpoint:
                     break
                 self._sendq.popleft()
                 credits.consume()
-                if kind == _DATA:
-                    self._build_data(op)
-                else:
+                if kind == _RNDV:
                     self._build_rndv(op)
+                elif self._batching and self._sendq and self._sendq[0].kind == _DATA:
+                    op = self._build_batch(op)
+                else:
+                    self._build_data(op)
             else:  # _IMM takes a credit; _WRITE (a leading piece of a long one) none
                 self._sendq.popleft()
                 if kind == _IMM:
@@ -852,6 +917,35 @@ class Endpoint:
         buf[HEADER_SIZE:] = mv
         op.payload = None  # copied: the caller's buffer is free
         op.wr = self._frame_wr(op, HEADER_SIZE + n)
+
+    def _build_batch(self, first: _Op) -> _Op:
+        """Pack ``first`` and the DATA ops after it on the send queue that fit into one
+        BATCH frame; returns the op to post (``first`` itself when only it fits)."""
+        sendq = self._sendq
+        room = self._eager - HEADER_SIZE - BATCH_RECORD - first.payload.nbytes
+        members = [first]
+        while sendq:
+            op = sendq[0]
+            if op.kind != _DATA:
+                break
+            room -= BATCH_RECORD + op.payload.nbytes
+            if room < 0:
+                break
+            members.append(sendq.popleft())
+        if len(members) == 1:
+            self._build_data(first)
+            return first
+        assert self._credits is not None
+        self.messages_batched += len(members)
+        carrier = _Op(_BATCH, None, payload=members)
+        slot = carrier.slot = self._spool.acquire()
+        assert slot is not None
+        buf = self._spool.slot(slot)
+        n = write_batch(buf, self._credits.take_piggyback(), [op.payload for op in members])
+        for op in members:
+            op.payload = None  # copied: the caller's buffer is free
+        carrier.wr = self._frame_wr(carrier, n)
+        return carrier
 
     def _build_rndv(self, op: _Op) -> None:
         assert self._credits is not None
@@ -896,6 +990,9 @@ class Endpoint:
             else:
                 wr.send_flags = int(wr.send_flags) & ~_SIGNALED
             op.posted = True
+            if op.kind == _BATCH:
+                for m in op.payload:
+                    m.posted = True
             wrs.append(wr)
         self.work_requests_posted += len(wrs)
         try:
@@ -930,8 +1027,13 @@ class Endpoint:
     def _on_send_wc(self, wc: WC, _arg: Any) -> None:
         entries = self._sq.complete(wc.wr_id)
         if not entries:
+            self._in_tick = False
             return
         last = len(entries) - 1
+        # One finished send (a round trip): the next one may go at once. Several (a
+        # window of senders wakes up): what they send next is batched at the end of
+        # the iteration instead of the first going alone.
+        self._in_tick = last > 0 or entries[0][1].kind == _BATCH
         for i, (wr_id, op) in enumerate(entries):
             if i < last:
                 self._reactor.unregister(wr_id)
@@ -959,6 +1061,14 @@ class Endpoint:
         if exc is None and wc is not None and wc.status != WCStatus.SUCCESS:
             exc = self._op_error(wc)
         fut = op.fut
+        if op.kind == _BATCH:
+            for m in op.payload:
+                if m.fut is not None and not m.fut.done():
+                    if exc is None:
+                        m.fut.set_result(None)
+                    else:
+                        m.fut.set_exception(exc)
+            return
         if op.kind == _RNDV:
             src = op.payload
             if exc is not None:
@@ -996,6 +1106,7 @@ class Endpoint:
         return err
 
     def _on_recv_wc(self, wc: WC, slot: int) -> None:
+        self._in_tick = False
         self._posted_recvs -= 1
         if wc.status != WCStatus.SUCCESS:
             self._rpool.release(slot)
@@ -1031,6 +1142,23 @@ class Endpoint:
             self._rx.append(_Rx(_RX_DATA, slot=slot, offset=base + frame.payload_offset,
                                 length=frame.payload_len))
             self._wake(self._rx_waiters)
+        elif ftype == FrameType.BATCH:
+            try:
+                records = batch_records(pool.view[base: base + pool.slot_size], wc.byte_len,
+                                        frame.aux, self.max_message_size)
+            except RemoteProtocolError as exc:
+                self._rpool.release(slot)
+                self._fail(exc)
+                return
+            # one buffer, many messages: the last one's consumption re-posts it
+            rxq = self._rx
+            last = len(records) - 1
+            for i, (off, n) in enumerate(records):
+                rxq.append(_Rx(_RX_DATA, slot if i == last else -1, base + off, n))
+            self._wake(self._rx_waiters)
+            # a burst: the sender waits for this frame's acknowledgement to send more,
+            # and no answer will carry it soon
+            self._reactor.expedite()
         elif ftype == FrameType.RNDV:
             rx = _Rx(_RX_RNDV, length=frame.rndv_length, addr=frame.rndv_addr,
                      rkey=frame.rndv_rkey, msg_id=frame.aux)
@@ -1038,8 +1166,15 @@ class Endpoint:
             self._repost(slot)
             if self._rx_waiters:
                 self._wake(self._rx_waiters)  # the waiting receiver picks the destination
-            elif self._prefetched + rx.length <= self._opts.rndv_prefetch:
+            elif (not self._receivers
+                  and self._prefetched + rx.length <= self._opts.rndv_prefetch):
                 self._start_rndv_read(rx, None)  # buffer it now, like a TCP receive buffer
+            else:
+                # a receive is in progress (its next one READs this straight into the
+                # caller's buffer, no staging copy), or the read-ahead budget is spent:
+                # read it ahead once nobody receives (_schedule_prefetch)
+                rx.deferred = True
+                self._deferred += 1
         elif ftype == FrameType.RNDV_DONE:
             self._repost(slot)
             op = self._rndv_out.pop(frame.aux, None)
@@ -1085,19 +1220,26 @@ class Endpoint:
     def _repost(self, slot: int) -> None:
         """Give a consumed receive buffer back to the peer (one more credit owed).
 
-        Buffers consumed in one loop iteration are posted together, at its end or
-        before our next send (whichever comes first), so the credit still rides on it.
+        When nothing else waits to be received, post it now (with whatever else is
+        pending). While a burst is consumed, the buffers are posted together: at the
+        end of the burst, at the end of the loop iteration, or before our next send,
+        whichever comes first, so the credit still rides on it.
         """
         if self._failed or self._done.done():
             self._rpool.release(slot)
             return
         self._repost_q.append(slot)
-        if not self._repost_scheduled:
+        if not self._rx:
+            self._flush_reposts()
+        elif not self._repost_scheduled:
             self._repost_scheduled = True
-            self._loop.call_soon(self._flush_reposts)
+            self._loop.call_soon(self._repost_soon)
+
+    def _repost_soon(self) -> None:
+        self._repost_scheduled = False
+        self._flush_reposts()
 
     def _flush_reposts(self) -> None:
-        self._repost_scheduled = False
         slots = self._repost_q
         if not slots:
             return
@@ -1179,7 +1321,7 @@ class Endpoint:
                     self._release_source(op.payload)
                 if op.fut is not None and not op.fut.done():
                     op.fut.set_exception(err)
-        for _wr_id, op in list(self._sq._q):
+        for op in self._posted_ops():
             if op.fut is not None and not op.fut.done():
                 op.fut.set_exception(self._closed_error())
         for op in self._rndv_out.values():
@@ -1195,6 +1337,16 @@ class Endpoint:
             self._control.close()
         self._start_teardown()
         self._check_drained()
+
+    def _posted_ops(self) -> list[_Op]:
+        """The ops on the send queue, the messages of BATCH frames listed one by one."""
+        out: list[_Op] = []
+        for _wr_id, op in self._sq._q:
+            if op.kind == _BATCH:
+                out.extend(op.payload)
+            else:
+                out.append(op)
+        return out
 
     def _check_drained(self) -> None:
         if self._failed and not self._sq.used and not self._posted_recvs and not self._drained.done():
@@ -1338,7 +1490,7 @@ class Endpoint:
         if self._credits is None:
             raise ConnectionClosed("endpoint is not connected")
         if self._eof is None:
-            pending = [op.fut for op in (*self._sendq, *(op for _w, op in self._sq._q),
+            pending = [op.fut for op in (*self._sendq, *self._posted_ops(),
                                          *self._rndv_out.values())
                        if op.kind in (_DATA, _RNDV, _IMM) and op.fut is not None
                        and not op.fut.done()]

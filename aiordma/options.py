@@ -25,9 +25,10 @@ class EndpointOptions:
     * ``close_timeout``: seconds ``close()`` waits for pending sends and flushes.
     * ``max_wr_size``: most bytes one RDMA READ/WRITE work request moves (default and
       ceiling: the port's ``max_msg_sz``); longer transfers are posted in pieces.
-    * ``rndv_prefetch``: bytes of large messages read ahead into staging while no
-      receiver waits (like a TCP receive buffer); beyond it the sender waits for
-      ``recv``.
+    * ``rndv_prefetch``: bytes of large messages read ahead into staging while the
+      application is not receiving (like a TCP receive buffer); beyond it the sender
+      waits for ``recv``. While a receive is in progress, arriving messages wait for
+      the next one, which READs them straight into its buffer (no staging copy).
     """
 
     provider: str | None = None

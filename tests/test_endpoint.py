@@ -133,6 +133,29 @@ async def test_recv_into(opts: dict) -> None:
             await srv.recv_into(b"readonly")
 
 
+async def test_small_sends_of_one_iteration_share_a_batch_keeping_boundaries(opts: dict) -> None:
+    """Sends queued in one loop iteration go as BATCH frames; the receiver still gets
+    each message whole, in order, and a too-small ``recv_into`` keeps it."""
+    msgs = [payload(i % 70, i) for i in range(300)]
+    async with pair(opts, recv_depth=8) as (ep, q):
+        srv = await server_ep(q)
+        await asyncio.wait_for(asyncio.gather(*(ep.send(m) for m in msgs)), T)
+        assert ep.statistics()["messages_batched"] > len(msgs) // 2
+        got = [await asyncio.wait_for(srv.recv(), T)]  # msgs[0] is empty
+        with pytest.raises(aiordma.MessageTooLarge):
+            await asyncio.wait_for(srv.recv_into(bytearray(0)), T)  # msgs[1]: 1 byte
+        buf = bytearray(100)
+        for _ in msgs[1:]:
+            n = await asyncio.wait_for(srv.recv_into(buf), T)
+            got.append(bytes(buf[:n]))
+        assert got == msgs
+        st = srv.statistics()
+        assert st["messages_received"] == len(msgs) and st["rx_queued"] == 0
+        # every receive buffer went back to the sender: it can send a full window again
+        await asyncio.wait_for(asyncio.gather(*(ep.send(m) for m in msgs)), T)
+        assert [await asyncio.wait_for(srv.recv(), T) for _ in msgs] == msgs
+
+
 async def test_recv_into_registered_buffer_is_zero_copy(opts: dict) -> None:
     big = payload(4 << 20, 7)
     async with pair(opts) as (ep, q):
@@ -150,6 +173,34 @@ async def test_recv_into_registered_buffer_is_zero_copy(opts: dict) -> None:
             await asyncio.wait_for(srv.recv_into(small), T)
         assert await asyncio.wait_for(srv.recv(), T) == big
         await asyncio.wait_for(send, T)
+
+
+async def test_rendezvous_read_ahead_only_while_nobody_receives(opts: dict) -> None:
+    """Large messages are read ahead into staging while the application does not
+    receive (the sender's send completes); while it receives, later ones wait and are
+    READ straight into its buffer (no staging copy)."""
+    big = [payload(300_000, i) for i in range(8)]
+    async with pair(opts) as (ep, q):
+        srv = await server_ep(q)
+        await asyncio.wait_for(asyncio.gather(*(ep.send(m) for m in big[:3])), T)
+        assert srv.statistics()["rndv_staged"] == 3
+        buf = bytearray(300_000)
+        srv.register(buf)
+        for m in big[:3]:
+            assert await asyncio.wait_for(srv.recv_into(buf), T) == len(m) and buf == m
+
+        async def receive() -> list[bytes]:
+            out = []
+            for _ in big:
+                n = await srv.recv_into(buf)
+                out.append(bytes(buf[:n]))
+            return out
+
+        receiver = asyncio.ensure_future(receive())
+        await asyncio.sleep(0.01)  # the receiver waits
+        await asyncio.wait_for(asyncio.gather(*(ep.send(m) for m in big)), T)
+        assert await asyncio.wait_for(receiver, T) == big
+        assert srv.statistics()["rndv_staged"] <= 3 + 1
 
 
 async def test_max_message_size(opts: dict) -> None:

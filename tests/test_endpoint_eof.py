@@ -87,7 +87,7 @@ async def test_close_with_a_paused_reader_loses_nothing(provider_name: str) -> N
     EOF. (Without that credit close() would give up after close_timeout and abort, and
     the peer would lose what it had not read yet.)"""
     async with pair(provider_name, recv_depth=4, close_timeout=2.0) as (ep, srv):
-        msgs = [b"m%d" % i for i in range(8)]
+        msgs = [bytes([i]) * 9000 for i in range(8)]  # one per frame (no two fit a BATCH)
         sends = [asyncio.ensure_future(ep.send(m)) for m in msgs]
         done, _ = await asyncio.wait(sends, timeout=0.3)
         assert 0 < len(done) < len(msgs)  # the window is full, the reader sleeps
@@ -119,7 +119,8 @@ async def test_peer_closed_with_our_sends_short_of_credits_fails_them(provider_n
     peer sent before its CLOSE stays readable."""
     async with pair(provider_name, recv_depth=4) as (ep, srv):
         await srv.send(b"before close")
-        sends = [asyncio.ensure_future(ep.send(b"x" * 100)) for _ in range(20)]
+        # over half the eager size: no two share a BATCH frame, so 20 need 20 credits
+        sends = [asyncio.ensure_future(ep.send(b"x" * 9000)) for _ in range(20)]
         await asyncio.sleep(0.1)
         await asyncio.wait_for(srv.close(), T)
         results = await asyncio.wait_for(asyncio.gather(*sends, return_exceptions=True), T)

@@ -21,6 +21,13 @@ from aiordma.protocol import (
     write_rndv,
     write_rndv_done,
 )
+from aiordma.protocol.framing import (
+    BATCH_RECORD,
+    batch_records,
+    write_batch,
+    write_batch_header,
+    write_batch_record,
+)
 
 MAX = 1 << 30
 u16 = st.integers(0, 0xFFFF)
@@ -110,7 +117,10 @@ def test_frame_is_frozen() -> None:
         (bytearray(0), 0, "frame too short: 0 bytes"),
         (raw(1, aux=8, tail=b"x" * 8), 20, "frame length 20 exceeds the receive buffer"),
         (raw(0), 8, "unknown frame type 0"),
-        (raw(6), 8, "unknown frame type 6"),
+        (raw(7), 8, "unknown frame type 7"),
+        (raw(6), 8, "BATCH of 0 messages cannot fit 0 bytes"),
+        (raw(6, aux=2, tail=b"\0" * 4), 12, "BATCH of 2 messages cannot fit 4 bytes"),
+        (raw(6, flags=1, aux=1, tail=b"\0" * 4), 12, "BATCH frame must have flags 0"),
         (raw(255), 8, "unknown frame type 255"),
         (raw(1, aux=3, tail=b"ab"), 10, "DATA length mismatch: header says 3 payload bytes"),
         (raw(1, aux=0, tail=b"ab"), 10, "DATA length mismatch"),
@@ -206,3 +216,39 @@ def test_errors_carry_eproto_and_pickle() -> None:
     assert info.value.errno == errno.EPROTO
     again = pickle.loads(pickle.dumps(info.value))
     assert type(again) is RemoteProtocolError and again.strerror == info.value.strerror
+
+
+@given(st.lists(st.binary(max_size=40), min_size=1, max_size=20), u16)
+def test_batch_roundtrip(msgs: list[bytes], credits: int) -> None:
+    buf = bytearray(HEADER_SIZE + sum(BATCH_RECORD + len(m) for m in msgs))
+    off = write_batch_header(buf, credits, len(msgs))
+    for m in msgs:
+        off = write_batch_record(buf, off, m)
+    assert off == len(buf)
+    f = parse_frame(buf, off, MAX)
+    assert (f.type, f.credits, f.aux) == (FrameType.BATCH, credits, len(msgs))
+    recs = batch_records(buf, off, f.aux, MAX)
+    assert [bytes(buf[o:o + n]) for o, n in recs] == msgs
+    again = bytearray(len(buf))
+    assert write_batch(again, credits, msgs) == len(buf) and again == buf
+
+
+def test_batch_records_reject_malformed() -> None:
+    buf = bytearray(64)
+    off = write_batch_header(buf, 0, 2)
+    off = write_batch_record(buf, off, b"abc")
+    off = write_batch_record(buf, off, b"de")
+    with pytest.raises(RemoteProtocolError, match="records span 21 bytes, the frame carries 22"):
+        batch_records(buf, off + 1, 2, MAX)
+    with pytest.raises(RemoteProtocolError, match="beyond the frame"):
+        batch_records(buf, off, 3, MAX)
+    with pytest.raises(RemoteProtocolError, match="exceeds max_message_size 2"):
+        batch_records(buf, off, 2, 2)
+    with pytest.raises(LocalProtocolError, match="at least one message"):
+        write_batch_header(buf, 0, 0)
+    with pytest.raises(LocalProtocolError, match="does not fit"):
+        write_batch_record(bytearray(16), 8, b"12345")
+    with pytest.raises(LocalProtocolError, match="does not fit"):
+        write_batch(bytearray(20), 0, [b"1234", b"5"])
+    with pytest.raises(LocalProtocolError, match="at least one message"):
+        write_batch(bytearray(20), 0, [])

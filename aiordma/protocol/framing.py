@@ -17,7 +17,15 @@ RNDV        msg_id                                 ``RNDV_BODY``: total length u
 RNDV_DONE   msg_id the receiver has read           nothing; flags 0 = ok, 1 = failed
 CREDIT      0                                      nothing; credits > 0
 CLOSE       0                                      nothing (graceful EOF, after all data)
+BATCH       number of messages (>= 1)              that many records ``len u32 | payload``,
+                                                   filling the frame exactly; each record is
+                                                   one whole DATA message, in order
 ==========  =====================================  ==========================================
+
+BATCH aggregates small messages that were sent in the same loop iteration into one
+SEND (one receive buffer, one credit, one completion); the receiver hands them to the
+application one by one, as if each had come in its own DATA frame. A sender uses it
+only towards a peer that announced ``HANDSHAKE_FLAG_BATCH`` in its handshake.
 
 Flags are 0 except on RNDV_DONE. An empty DATA frame (aux 0) is a valid empty message.
 Writers raise ``LocalProtocolError`` for out-of-range arguments or a buffer too short for
@@ -48,6 +56,12 @@ __all__ = [
     "write_rndv_done",
     "write_credit",
     "write_close",
+    "BATCH_RECORD",
+    "HANDSHAKE_FLAG_BATCH",
+    "batch_records",
+    "write_batch",
+    "write_batch_header",
+    "write_batch_record",
 ]
 
 HEADER = struct.Struct("<BBHI")
@@ -60,6 +74,11 @@ MAX_CREDITS = 0xFFFF
 """Largest credit count one frame can carry."""
 RNDV_OK = 0
 RNDV_FAILED = 1
+BATCH_RECORD = 4
+"""Bytes a BATCH frame spends per message besides its payload (the length field)."""
+HANDSHAKE_FLAG_BATCH = 1
+"""Handshake ``flags`` bit: this endpoint understands BATCH frames."""
+_REC = struct.Struct("<I")
 
 _U32 = 0xFFFFFFFF
 _U64 = 0xFFFFFFFFFFFFFFFF
@@ -76,20 +95,22 @@ class FrameType(IntEnum):
     RNDV_DONE = 3
     CREDIT = 4
     CLOSE = 5
+    BATCH = 6
 
 
 # Plain ints for the hot path (IntEnum attribute access is slower).
-_DATA, _RNDV, _RNDV_DONE, _CREDIT, _CLOSE = 1, 2, 3, 4, 5
+_DATA, _RNDV, _RNDV_DONE, _CREDIT, _CLOSE, _BATCH = 1, 2, 3, 4, 5, 6
 _TYPES: dict[int, FrameType] = {int(t): t for t in FrameType}
-_FT_DATA, _FT_RNDV = FrameType.DATA, FrameType.RNDV
+_FT_DATA, _FT_RNDV, _FT_BATCH = FrameType.DATA, FrameType.RNDV, FrameType.BATCH
 
 
 @dataclass(frozen=True, slots=True)
 class Frame:
     """A parsed frame header (the payload stays in the receive buffer).
 
-    ``payload_offset``/``payload_len`` locate a DATA payload inside the buffer that was
-    parsed (offset 8; length 0 for every other type). The ``rndv_*`` fields are set for RNDV
+    ``payload_offset``/``payload_len`` locate a DATA payload (for BATCH: the records,
+    see ``batch_records``) inside the buffer that was parsed (offset 8; length 0 for
+    every other type). The ``rndv_*`` fields are set for RNDV
     only. For RNDV and RNDV_DONE, ``aux`` is the msg_id.
     """
 
@@ -144,7 +165,8 @@ def parse_frame(buf: ReadableBuffer, byte_len: int, max_message_size: int) -> Fr
     shorter than the header, longer than the buffer, unknown type, nonzero flags (except
     RNDV_DONE's 0/1), DATA length mismatch, RNDV not exactly 28 bytes or advertising
     length 0 or more than ``max_message_size``, control frames with trailing bytes or a
-    nonzero aux, CREDIT carrying no credits.
+    nonzero aux, CREDIT carrying no credits, BATCH with nonzero flags or a count of
+    0 or more records than its bytes can hold (``batch_records`` checks the records).
     """
     if byte_len < HEADER_SIZE:
         raise RemoteProtocolError(f"frame too short: {byte_len} bytes, the header is {HEADER_SIZE}")
@@ -177,6 +199,14 @@ def parse_frame(buf: ReadableBuffer, byte_len: int, max_message_size: int) -> Fr
                 f"RNDV length {length} out of range (1..max_message_size {max_message_size})"
             )
         return _frame(_FT_RNDV, credits, aux, 0, 0, length, addr, rkey)
+    if t == _BATCH:
+        if flags:
+            raise _bad_flags(t, flags)
+        if aux == 0 or aux * BATCH_RECORD > byte_len - HEADER_SIZE:
+            raise RemoteProtocolError(
+                f"BATCH of {aux} messages cannot fit {byte_len - HEADER_SIZE} bytes"
+            )
+        return _frame(_FT_BATCH, credits, aux, 0, byte_len - HEADER_SIZE, 0, 0, 0)
     ftype = _TYPES.get(t)
     if ftype is None:
         raise RemoteProtocolError(f"unknown frame type {t}")
@@ -197,6 +227,36 @@ def parse_frame(buf: ReadableBuffer, byte_len: int, max_message_size: int) -> Fr
     return _frame(ftype, credits, aux, flags, 0, 0, 0, 0)
 
 
+def batch_records(
+    buf: ReadableBuffer, byte_len: int, count: int, max_message_size: int
+) -> list[tuple[int, int]]:
+    """The ``count`` records of the BATCH frame in ``buf[:byte_len]`` (as checked by
+    ``parse_frame``): a list of (payload offset in ``buf``, payload length), in order.
+
+    Raises ``RemoteProtocolError`` when the records do not fill the frame exactly or one
+    exceeds ``max_message_size``.
+    """
+    out = []
+    off = HEADER_SIZE
+    unpack = _REC.unpack_from
+    for _ in range(count):
+        if off + BATCH_RECORD > byte_len:
+            raise RemoteProtocolError(f"BATCH record header at {off} beyond the frame ({byte_len})")
+        (n,) = unpack(buf, off)
+        off += BATCH_RECORD
+        if n > max_message_size:
+            raise RemoteProtocolError(
+                f"BATCH message of {n} bytes exceeds max_message_size {max_message_size}"
+            )
+        out.append((off, n))
+        off += n
+    if off != byte_len:
+        raise RemoteProtocolError(
+            f"BATCH records span {off} bytes, the frame carries {byte_len}"
+        )
+    return out
+
+
 def _bad_flags(t: int, flags: int) -> RemoteProtocolError:
     return RemoteProtocolError(f"{_TYPES[t].name} frame must have flags 0, got {flags:#x}")
 
@@ -215,6 +275,53 @@ def write_data_header(buf: WritableBuffer, credits: int, payload_len: int) -> in
     except (struct.error, ValueError, TypeError):
         raise _bad_args(buf, HEADER_SIZE, credits, payload_len=(payload_len, _U32)) from None
     return HEADER_SIZE
+
+
+def write_batch_header(buf: WritableBuffer, credits: int, count: int) -> int:
+    """Write a BATCH header for ``count`` (>= 1) records at ``buf[0:8]``; the caller
+    appends the records with ``write_batch_record``. Returns 8."""
+    if count <= 0:
+        raise LocalProtocolError(f"a BATCH carries at least one message, got {count}")
+    try:
+        _pack_header(buf, 0, _BATCH, 0, credits, count)
+    except (struct.error, ValueError, TypeError):
+        raise _bad_args(buf, HEADER_SIZE, credits, count=(count, _U32)) from None
+    return HEADER_SIZE
+
+
+def write_batch(buf: WritableBuffer, credits: int, payloads: list[ReadableBuffer]) -> int:
+    """Write a whole BATCH frame of ``payloads`` (at least one; byte-format buffers) at
+    ``buf[0:]``; returns its length. Raises ``LocalProtocolError`` when it does not fit
+    (nothing useful is left in ``buf`` then)."""
+    off = write_batch_header(buf, credits, len(payloads))
+    size = len(buf)
+    pack = _REC.pack_into
+    for p in payloads:
+        n = len(p)
+        start = off + BATCH_RECORD
+        end = start + n
+        if end > size:
+            raise LocalProtocolError(
+                f"a {n}-byte BATCH record at {off} does not fit a {size}-byte buffer"
+            )
+        pack(buf, off, n)
+        buf[start:end] = p
+        off = end
+    return off
+
+
+def write_batch_record(buf: WritableBuffer, offset: int, payload: ReadableBuffer) -> int:
+    """Write one record (length, then ``payload``) at ``buf[offset:]``; returns the
+    offset after it. Raises ``LocalProtocolError`` when it does not fit."""
+    n = len(payload)
+    end = offset + BATCH_RECORD + n
+    if offset < HEADER_SIZE or end > len(buf):
+        raise LocalProtocolError(
+            f"a {n}-byte BATCH record at {offset} does not fit a {len(buf)}-byte buffer"
+        )
+    _REC.pack_into(buf, offset, n)
+    buf[offset + BATCH_RECORD:end] = payload
+    return end
 
 
 def write_rndv(

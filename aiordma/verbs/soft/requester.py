@@ -128,6 +128,8 @@ class Requester(QPCore):
             if self._ack_pending >= 0 and conn is self._resp_conn:
                 bufs.insert(0, wire.pack(wire.OP_ACK, self._ack_pending))  # piggyback
                 self._ack_pending = -1
+                if conn.driver is not None:
+                    conn.driver.ack_sent(self)  # nothing left for its flush()
             conn.send(bufs)
         self._arm_ack_timer()
 
