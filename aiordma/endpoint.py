@@ -348,8 +348,13 @@ class Endpoint:
             if id(op) not in in_sq:  # else its completion (or teardown) releases it
                 del self._rndv_out[msg_id]
                 self._release_source(op.payload)
-        if self._closing is not None and not self._ops_pending():
-            self._wake_closer()
+        eof = self._eof
+        if eof is not None and self._eof_queued and not eof.done():
+            # Our CLOSE is posted but the peer's QP is gone: no ACK will come (rxe
+            # retransmits into the void), so neither close() nor send_eof() waits for it.
+            eof.set_exception(ConnectionClosed("the peer closed the connection"))
+        if self._closing is not None:
+            self._wake_closer()  # for the same reason, posted sends will not complete
 
     # ---------------------------------------------------------------- properties
     @property

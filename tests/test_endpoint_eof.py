@@ -106,6 +106,25 @@ async def test_close_with_a_paused_reader_loses_nothing(provider_name: str) -> N
             await asyncio.wait_for(srv.recv(), T)
 
 
+async def test_close_answering_the_peers_close_does_not_wait_out_close_timeout(
+        provider_name: str) -> None:
+    """The peer closes (CLOSE, then it destroys its QP); we read to EOF and close at
+    once, so our CLOSE may be posted towards a QP that no longer exists. No ACK will
+    ever come for it (rxe retransmits into the void): our close() must finish when
+    the peer is known gone, not after close_timeout."""
+    async with pair(provider_name, close_timeout=5.0) as (ep, srv):
+        await ep.send(b"bye")
+        closing = asyncio.ensure_future(ep.close())
+        assert await asyncio.wait_for(srv.recv(), T) == b"bye"
+        with pytest.raises(aiordma.ConnectionClosed):
+            await asyncio.wait_for(srv.recv(), T)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        await asyncio.wait_for(srv.close(), T)
+        assert loop.time() - t0 < 4.0  # well under close_timeout
+        await asyncio.wait_for(closing, T)
+
+
 async def test_send_eof_on_closed_endpoint_raises(provider_name: str) -> None:
     async with pair(provider_name) as (ep, _srv):
         ep.abort()
