@@ -37,18 +37,13 @@ clean:
 
 ## Soft-RoCE VM tier (tests/rxe/README.md): the suite on real verbs (rdma_rxe) in a
 ## throw-away Debian VM under qemu. forky: rdma-core/pyverbs 65; bookworm: 44.
-# The provider-parametrised suite: the verbs layer, endpoints and the multi-process
-# examples (the provider-independent tests ran in the fast tier). The asyncio
-# Transport/streams files pass on rxe except three tests (open, see the issue notes);
-# they take ten more minutes under TCG: `make test-rxe RXE_TESTS='$(RXE_MORE)'`.
+# The provider-parametrised suite (the provider-independent tests ran in the fast tier):
+# the verbs layer, endpoints, EOF/close, Transports/Protocols, streams, and the examples
+# as separate processes, on both loops.
 RXE_TESTS ?= tests/test_verbs_provider.py tests/test_ibverbs_compat.py tests/test_endpoint.py \
-	tests/test_multiprocess.py
-RXE_MORE = tests/test_endpoint_eof.py tests/test_rdma_transport.py tests/test_streams.py \
-	tests/test_examples_protocols.py
-# Known to fail on forky's Python 3.14 asyncio loop under rxe (hangs past its timeout;
-# passes on uvloop and on soft): open bug.
-RXE_DESELECT = --deselect 'tests/test_endpoint.py::test_silent_server_gives_handshake_error[asyncio]'
-RXE_PYTEST = python3 -m pytest -p no:cacheprovider -q -rfE -k "not tcp" $(RXE_DESELECT) $(RXE_TESTS)
+	tests/test_endpoint_eof.py tests/test_multiprocess.py tests/test_rdma_transport.py \
+	tests/test_streams.py tests/test_examples_protocols.py
+RXE_PYTEST = python3 -m pytest -p no:cacheprovider -q -rfE -k "not tcp" --durations=10 $(RXE_TESTS)
 
 test-rxe:
 	bash tests/rxe/run-vm.sh -- $(RXE_PYTEST)
