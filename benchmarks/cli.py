@@ -331,8 +331,12 @@ def _ratio_key(test: str) -> str:
 def format_table(results: list[Result], cfg: Config, baselines: list[str]) -> str:
     lines: list[str] = []
     w = lines.append
+    # the ratio column: tcp-proto when it ran, else the first baseline that ran
+    ran = {r.transport for r in results if r.error is None}
+    reference = next((b for b in (REFERENCE, *baselines) if b in ran and b != "memcpy"),
+                     REFERENCE)
     head = (f"{'test':10s} {'size':>5s} {'transport':13s} {'median':>8s} {'p99':>8s} {'min':>8s}"
-            f" {'GB/s':>8s} {'msgs/s':>8s} {'cpu/op':>8s}  ratio to {REFERENCE}")
+            f" {'GB/s':>8s} {'msgs/s':>8s} {'cpu/op':>8s}  ratio to {reference}")
     w("Latencies are round trips in microseconds; GB/s = 1e9 B/s of payload; cpu/op = CPU "
       "microseconds per operation, both processes (every thread) together.")
     w("ratio: lat = median/baseline (lower is better), bw and msgs/s = aiordma/baseline "
@@ -359,7 +363,7 @@ def format_table(results: list[Result], cfg: Config, baselines: list[str]) -> st
         lat = r.test in LAT_TESTS
         gb = r.gbps if (not lat and r.test != "msg_rate") else None
         ratio = ""
-        ref = r.ratios.get(REFERENCE)
+        ref = r.ratios.get(reference)
         if ref:
             k = _ratio_key(r.test)
             ratio = f"{_f(ref.get(k), '.2f')}x"
@@ -511,7 +515,7 @@ def main(argv: list[str] | None = None) -> int:
     two = [t for t in cfg.tests if t in TWO_PROCESS_TESTS]
     if two:
         transports = ([] if a.no_aiordma else ["aiordma"]) + [
-            b for b in baselines if b in SOCKET_BASELINES]
+            b for b in baselines if b in SOCKET_BASELINES or b == "pyverbs"]
         rounds: list[list[Result]] = []
         for rnd in range(a.rounds):
             # every other round runs the transports in reverse order, so that a load
@@ -531,7 +535,8 @@ def main(argv: list[str] | None = None) -> int:
         if "perftest" in baselines:
             from .external import run_perftest
 
-            results += run_perftest(cfg)
+            _log("bench: perftest")
+            results += run_perftest(cfg, _log)
     add_ratios(results)
     table = format_table(results, cfg, baselines)
     out = sys.stderr if a.json else sys.stdout
