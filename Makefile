@@ -66,10 +66,11 @@ bench: setup
 
 ## The same harness on real verbs in the Soft-RoCE VM: aiordma's `verbs` provider against
 ## a synchronous busy-polling pyverbs program and perftest (ib_send_lat, ib_write_bw)
-## over rxe0, in one VM run (about 5 minutes; AIORDMA_RXE_TIMEOUT bounds it). Keep the
+## over rxe0, 3 interleaved rounds, in one VM run (about 5 minutes; AIORDMA_RXE_TIMEOUT
+## bounds it). Keep the
 ## output: AIORDMA_RXE_RESULTS=DIR make bench-rxe (DIR/output.log).
-BENCH_RXE_ARGS ?= --provider verbs --tests send_lat,write_bw --sizes 64,1M --iters 300 \
-	--max-seconds 2 --rounds 3 --baselines pyverbs,perftest
+BENCH_RXE_ARGS ?= --provider verbs --tests send_lat,write_bw --sizes-for send_lat=64,4K \
+	--sizes-for write_bw=64K,1M --iters 300 --max-seconds 2 --rounds 3 --baselines pyverbs,perftest
 BENCH_RXE_TIMEOUT ?= 420
 bench-rxe:
 	AIORDMA_RXE_TIMEOUT=$${AIORDMA_RXE_TIMEOUT:-$(BENCH_RXE_TIMEOUT)} \

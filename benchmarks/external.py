@@ -15,8 +15,8 @@ against nothing.
   the RoCE v2 IPv4 GID, 1 on the VM's rxe0) and parses the client's table. perftest
   prints half the round trip for send/write latency (ping-pong); it is doubled here to
   be comparable with every other latency of this harness. Its bandwidth unit is read
-  from the header (``MiB/sec``/``MB/sec`` = 2**20 B, ``Gb/sec``). perftest runs once,
-  after the rounds of the other transports, and reports no CPU time.
+  from the header (``MiB/sec``/``MB/sec`` = 2**20 B, ``Gb/sec``). perftest takes its
+  turn in every round like the other transports; it reports no CPU time.
 
 Both busy-poll: on a machine with as few cores as busy-polling processes (the 2-vCPU
 VM), they compete with the kernel's rxe work for the CPUs, which shows in their tails.
@@ -28,11 +28,10 @@ import re
 import shutil
 import socket
 import subprocess
-import threading
+import time
 from collections.abc import Callable
-from typing import Any
 
-from .common import Config, Result, test_sizes
+from .common import Config, Result, fmt_size
 
 
 class BaselineUnavailable(RuntimeError):
@@ -128,22 +127,34 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _wait_for(stream: Any, text: str, seconds: float) -> list[str]:
-    """Lines of ``stream`` up to the one containing ``text`` (a reader thread keeps
-    draining it afterwards so the process never blocks on a full pipe)."""
-    seen: list[str] = []
-    found = threading.Event()
+def _listening(port: int) -> bool:
+    """Whether a TCP socket of this host listens on ``port`` (/proc/net/tcp{,6}: no
+    connection is made, which would be the perftest server's one client)."""
+    want = f":{port:04X}"
+    for path in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(path) as f:
+                next(f, None)
+                for line in f:
+                    parts = line.split()
+                    if len(parts) > 3 and parts[1].endswith(want) and parts[3] == "0A":
+                        return True
+        except OSError:
+            continue
+    return False
 
-    def pump() -> None:
-        for line in stream:
-            seen.append(line)
-            if text in line:
-                found.set()
-        found.set()
 
-    threading.Thread(target=pump, daemon=True).start()
-    found.wait(seconds)
-    return seen
+def _wait_listening(proc: subprocess.Popen[str], port: int, seconds: float) -> None:
+    """Wait until the perftest server listens (its banner is of no use: stdout is a
+    pipe, so it is buffered until the process exits)."""
+    deadline = time.monotonic() + seconds
+    while not _listening(port):
+        if proc.poll() is not None:
+            out = proc.stdout.read() if proc.stdout is not None else ""
+            raise RuntimeError(f"perftest server exited with {proc.returncode}: {out[-1500:]}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"perftest server not listening on port {port} after {seconds:.0f}s")
+        time.sleep(0.05)
 
 
 def perftest_args(test: str, size: int, cfg: Config, dev: str, gid_index: int | None,
@@ -169,15 +180,15 @@ def run_perftest(cfg: Config, log: Callable[[str], None] | None = None) -> list[
     for test in cfg.tests:
         if test not in _PERFTEST:
             continue
-        for size in test_sizes(test, cfg.sizes):
-            args = perftest_args(test, size, cfg, dev, gid_index, _free_port())
+        for size in cfg.sizes_of(test):
+            port = _free_port()
+            args = perftest_args(test, size, cfg, dev, gid_index, port)
             res = Result("perftest", test, size, loop="-")
             res.note = " ".join(args)
             server = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                       text=True)
             try:
-                assert server.stdout is not None
-                _wait_for(server.stdout, "Waiting for client", 30)
+                _wait_listening(server, port, 30)
                 client = subprocess.run(args + ["127.0.0.1"], capture_output=True, text=True,
                                         timeout=cfg.max_seconds * 10 + 60)
                 if client.returncode:
@@ -204,7 +215,8 @@ def run_perftest(cfg: Config, log: Callable[[str], None] | None = None) -> list[
                 server.kill()
                 server.wait(10)
             if log is not None:
-                log(f"  {'perftest':13s} {test:10s} {size:>8d}  "
-                    + (res.error or f"median {res.lat_median_us} us, {res.gbps} GB/s"))
+                fig = (f"median {res.lat_median_us:8.1f} us" if res.lat_median_us is not None
+                       else f"{res.gbps or 0.0:7.3f} GB/s")
+                log(f"  {'perftest':13s} {test:10s} {fmt_size(size):>5s}  " + (res.error or fig))
             out.append(res)
     return out
