@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 SIZES ?= 0,64,4K,1M,64M
 COUNT ?= 200
 
-.PHONY: setup echo test test-fast test-rxe test-rxe-bookworm lint bench clean
+.PHONY: setup echo test test-fast test-rxe test-rxe-bookworm lint bench bench-rxe clean
 
 $(VENV)/.stamp: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -58,3 +58,15 @@ BENCH_ARGS ?= --tests send_lat,write_lat,read_lat,send_bw,write_bw,msg_rate,reac
 	--sizes 64,4K,1M --iters 1000 --max-seconds 2 --baselines tcp-proto,unix-proto,memcpy
 bench: setup
 	AIORDMA_PROVIDER=soft $(PY) -m aiordma bench $(BENCH_ARGS)
+
+## The same harness on real verbs in the Soft-RoCE VM: aiordma's `verbs` provider against
+## a synchronous busy-polling pyverbs program and perftest (ib_send_lat, ib_write_bw)
+## over rxe0, 3 interleaved rounds, in one VM run (about 5 minutes; AIORDMA_RXE_TIMEOUT
+## bounds it). Keep the
+## output: AIORDMA_RXE_RESULTS=DIR make bench-rxe (DIR/output.log).
+BENCH_RXE_ARGS ?= --provider verbs --tests send_lat,write_bw --sizes-for send_lat=64,4K \
+	--sizes-for write_bw=64K,1M --iters 300 --max-seconds 2 --rounds 3 --baselines pyverbs,perftest
+BENCH_RXE_TIMEOUT ?= 420
+bench-rxe:
+	AIORDMA_RXE_TIMEOUT=$${AIORDMA_RXE_TIMEOUT:-$(BENCH_RXE_TIMEOUT)} \
+		bash tests/rxe/run-vm.sh -- python3 -m aiordma bench $(BENCH_RXE_ARGS)

@@ -45,7 +45,6 @@ from .common import (
     Result,
     fmt_size,
     parse_sizes,
-    test_sizes,
     test_timeout,
 )
 
@@ -60,6 +59,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--sizes", default=DEFAULT_SIZES,
                    help="message sizes, e.g. 8,64,4K,1M or a power-of-two range 8-16M "
                         f"(default {DEFAULT_SIZES})")
+    p.add_argument("--sizes-for", action="append", default=[], metavar="TEST=SIZES",
+                   help="sizes of one test, overriding --sizes for it (repeatable), "
+                        "e.g. --sizes-for send_lat=64,4K --sizes-for write_bw=1M")
     p.add_argument("--iters", type=int, default=1000,
                    help="operations per test and size (msg_rate: 10x; capped by --max-bytes)")
     p.add_argument("--warmup", type=int, default=100, help="warm-up operations (<= iters/10)")
@@ -99,12 +101,26 @@ def config_from_args(a: argparse.Namespace) -> Config:
     sizes = parse_sizes(a.sizes)
     if not sizes:
         raise SystemExit("bench: --sizes is empty")
+    sizes_for: dict[str, list[int]] = {}
+    for spec in a.sizes_for:
+        test, eq, spec_sizes = spec.partition("=")
+        test = test.strip()
+        if not eq or test not in ALL_TESTS:
+            raise SystemExit(f"bench: --sizes-for needs TEST=SIZES with a known test, not {spec!r}")
+        sizes_for[test] = parse_sizes(spec_sizes)
+        if not sizes_for[test]:
+            raise SystemExit(f"bench: --sizes-for {spec!r} has no size")
+    if sizes_for:
+        sizes_for = {t: sizes_for.get(t, sizes) for t in tests}
+        # every size of the run: the transports size their buffers by the largest
+        sizes = sorted({s for t in tests for s in sizes_for[t]})
     if a.iters < 1 or a.window < 1 or a.rate_window < 1 or a.max_seconds <= 0:
         raise SystemExit("bench: --iters, --window, --rate-window and --max-seconds must be positive")
     return Config(tests=tests, sizes=sizes, iters=a.iters, warmup=max(0, a.warmup),
                   window=a.window, rate_window=a.rate_window, max_seconds=a.max_seconds,
                   max_bytes=parse_size(a.max_bytes), loop=a.loop, provider=a.provider,
-                  device=a.device, poll_mode=a.poll_mode, spin_us=a.spin_us)
+                  device=a.device, poll_mode=a.poll_mode, spin_us=a.spin_us,
+                  sizes_for=sizes_for)
 
 
 # ======================================================================= running
@@ -226,7 +242,7 @@ def _brief(r: Result) -> str:
 def memcpy_ceiling(cfg: Config) -> list[Result]:
     """Bytes per second of a plain buffer copy (``dst[:] = src``) at every size."""
     out = []
-    sizes = sorted({s for t in cfg.tests if t in TWO_PROCESS_TESTS for s in test_sizes(t, cfg.sizes)})
+    sizes = sorted({s for t in cfg.tests if t in TWO_PROCESS_TESTS for s in cfg.sizes_of(t)})
     for size in sizes:
         src = memoryview(bytearray(size))
         dst = memoryview(bytearray(size))
@@ -331,8 +347,12 @@ def _ratio_key(test: str) -> str:
 def format_table(results: list[Result], cfg: Config, baselines: list[str]) -> str:
     lines: list[str] = []
     w = lines.append
+    # the ratio column: tcp-proto when it ran, else the first baseline that ran
+    ran = {r.transport for r in results if r.error is None}
+    reference = next((b for b in (REFERENCE, *baselines) if b in ran and b != "memcpy"),
+                     REFERENCE)
     head = (f"{'test':10s} {'size':>5s} {'transport':13s} {'median':>8s} {'p99':>8s} {'min':>8s}"
-            f" {'GB/s':>8s} {'msgs/s':>8s} {'cpu/op':>8s}  ratio to {REFERENCE}")
+            f" {'GB/s':>8s} {'msgs/s':>8s} {'cpu/op':>8s}  ratio to {reference}")
     w("Latencies are round trips in microseconds; GB/s = 1e9 B/s of payload; cpu/op = CPU "
       "microseconds per operation, both processes (every thread) together.")
     w("ratio: lat = median/baseline (lower is better), bw and msgs/s = aiordma/baseline "
@@ -359,7 +379,7 @@ def format_table(results: list[Result], cfg: Config, baselines: list[str]) -> st
         lat = r.test in LAT_TESTS
         gb = r.gbps if (not lat and r.test != "msg_rate") else None
         ratio = ""
-        ref = r.ratios.get(REFERENCE)
+        ref = r.ratios.get(reference)
         if ref:
             k = _ratio_key(r.test)
             ratio = f"{_f(ref.get(k), '.2f')}x"
@@ -511,7 +531,7 @@ def main(argv: list[str] | None = None) -> int:
     two = [t for t in cfg.tests if t in TWO_PROCESS_TESTS]
     if two:
         transports = ([] if a.no_aiordma else ["aiordma"]) + [
-            b for b in baselines if b in SOCKET_BASELINES]
+            b for b in baselines if b in SOCKET_BASELINES or b in EXTERNAL_BASELINES]
         rounds: list[list[Result]] = []
         for rnd in range(a.rounds):
             # every other round runs the transports in reverse order, so that a load
@@ -520,6 +540,11 @@ def main(argv: list[str] | None = None) -> int:
             got: list[Result] = []
             for tr in order:
                 _log(f"bench: {tr}" + (f" (round {rnd + 1} of {a.rounds})" if a.rounds > 1 else ""))
+                if tr == "perftest":
+                    from .external import run_perftest
+
+                    got += run_perftest(cfg, _log)
+                    continue
                 res, st = run_pair(tr, cfg)
                 got += res
                 if tr == "aiordma":
@@ -528,10 +553,6 @@ def main(argv: list[str] | None = None) -> int:
         results += median_of_rounds(rounds)
         if "memcpy" in baselines:
             results += memcpy_ceiling(cfg)
-        if "perftest" in baselines:
-            from .external import run_perftest
-
-            results += run_perftest(cfg)
     add_ratios(results)
     table = format_table(results, cfg, baselines)
     out = sys.stderr if a.json else sys.stdout

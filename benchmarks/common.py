@@ -122,11 +122,17 @@ class Config:
     poll_mode: str | None = None
     spin_us: int | None = None
     skip: int = 0  # (test, size) items already done (a pair restarted after a failure)
+    #: per-test sizes (``--sizes-for``); ``sizes`` then holds every size of the run
+    sizes_for: dict[str, list[int]] = field(default_factory=dict)
+
+    def sizes_of(self, test: str) -> list[int]:
+        """The sizes ``test`` runs (``--sizes-for``, else ``--sizes``)."""
+        return test_sizes(test, self.sizes_for.get(test, self.sizes))
 
     def items(self) -> list[tuple[str, int]]:
         """Every (test, size) of the two-process tests, in run order."""
         return [(t, s) for t in self.tests if t in TWO_PROCESS_TESTS
-                for s in test_sizes(t, self.sizes)]
+                for s in self.sizes_of(t)]
 
     def iters_for(self, test: str, size: int) -> tuple[int, int]:
         """(warmup, measured) operation counts: --iters, but at most --max-bytes of data

@@ -3,6 +3,9 @@
     python -m benchmarks.worker server TRANSPORT CONFIG_JSON
     python -m benchmarks.worker client TRANSPORT CONFIG_JSON SERVER_INFO_JSON
 
+TRANSPORT ``pyverbs`` runs the synchronous baseline of ``benchmarks/pyverbs_sync.py``
+(same control protocol, no event loop).
+
 The server prints ``READY {json}`` (its control port and data address) on stdout and
 serves until the client says ``quit`` (or the control connection closes). The client
 runs every (test, size) of the configuration and prints one ``RESULT {json}`` line per
@@ -194,6 +197,12 @@ async def client(transport: str, cfg: Config, server: dict[str, Any]) -> int:
 def main(argv: list[str]) -> int:
     role, transport, cfg_json = argv[0], argv[1], argv[2]
     cfg = Config.from_json(cfg_json)
+    if transport == "pyverbs":  # synchronous busy-polling, no event loop
+        from . import pyverbs_sync
+
+        if role == "server":
+            return pyverbs_sync.serve(cfg)
+        return pyverbs_sync.client(cfg, json.loads(argv[3]))
     if role == "server":
         return run(serve(transport, cfg), cfg.loop)
     return run(client(transport, cfg, json.loads(argv[3])), cfg.loop)

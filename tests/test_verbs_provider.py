@@ -368,6 +368,43 @@ def test_write_and_read(ctx: Context, res: Resources) -> None:
     expect_quiet(p.cq_b, 0.05)  # one-sided: nothing at the target
 
 
+def test_same_buffer_reposted_with_other_fields(ctx: Context, res: Resources) -> None:
+    """One-WR posts of the same SGE (the verbs provider re-uses its pyverbs WR for
+    them) keep every other field of each WR: wr_id, opcode, flags, immediate data,
+    remote address and key."""
+    p = Pair(ctx, res)
+    ma, ba = p.mr("a", 4096)
+    mb, bb = p.mr("b", 4096)
+    ba[:8] = b"abcdefgh"
+    src = sge(ma, 0, 8)
+    for i in range(3):
+        p.b.post_recv([RecvWR(100 + i, [sge(mb, 0, 64)])])
+        p.a.post_send([send(10 + i, [src])])
+        (wa,) = poll_n(p.cq_a, 1)
+        (wb,) = poll_n(p.cq_b, 1)
+        assert (wa.wr_id, wa.opcode, wa.status) == (10 + i, WCOpcode.SEND, S.SUCCESS)
+        assert (wb.wr_id, wb.byte_len, wb.status) == (100 + i, 8, S.SUCCESS)
+        assert not wb.wc_flags & WCFlags.WITH_IMM
+    p.b.post_recv([RecvWR(200, [sge(mb, 0, 64)])])
+    p.a.post_send([send(20, [src], WROpcode.SEND_WITH_IMM, imm_data=0x01020304)])
+    (wa,) = poll_n(p.cq_a, 1)
+    (wb,) = poll_n(p.cq_b, 1)
+    assert wa.wr_id == 20 and wb.wr_id == 200 and wb.imm_data == 0x01020304
+    for i, off in enumerate((512, 1024)):
+        p.a.post_send([send(30 + i, [src], WROpcode.RDMA_WRITE, remote_addr=mb.addr + off,
+                            rkey=mb.rkey)])
+        (wa,) = poll_n(p.cq_a, 1)
+        assert (wa.wr_id, wa.opcode, wa.status) == (30 + i, WCOpcode.RDMA_WRITE, S.SUCCESS)
+        assert bytes(bb[off:off + 8]) == b"abcdefgh"
+    p.b.post_recv([RecvWR(300, [sge(mb, 0, 64)])])
+    p.b.post_recv([RecvWR(301, [sge(mb, 0, 64)])])
+    p.a.post_send([send(40, [src], WROpcode.SEND, SendFlags(0))])  # unsignaled
+    p.a.post_send([send(41, [src])])
+    assert [w.wr_id for w in poll_n(p.cq_a, 1)] == [41]
+    assert [w.wr_id for w in poll_n(p.cq_b, 2)] == [300, 301]
+    expect_quiet(p.cq_a, 0.05)
+
+
 def test_write_read_64mib(ctx: Context, res: Resources) -> None:
     size = 64 << 20
     p = Pair(ctx, res)

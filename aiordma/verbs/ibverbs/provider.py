@@ -71,6 +71,11 @@ _PORT_EVENTS = frozenset({
     EventType.SM_CHANGE, EventType.CLIENT_REREGISTER, EventType.GID_CHANGE,
 })
 _INLINE_PROBE = (512, 256, 128, 64, 32)
+# plain ints: IntFlag arithmetic runs Python-level enum code on every post
+_F_INLINE = int(SendFlags.INLINE)
+_F_SIGNALED = int(SendFlags.SIGNALED)
+# pyverbs work requests of single-WR, single-SGE posts kept per QP for reuse (IbvQP)
+_WR_CACHE = 64
 
 
 class InvalidWorkRequest(PostError, ValueError):
@@ -830,6 +835,9 @@ class IbvQP(QP):
         self.qp_num = int(pqp.qp_num)
         self._state = QPState.RESET
         self._queues = compat.WorkQueues(cap.max_send_wr, cap.max_recv_wr)
+        # (addr, length, lkey) -> pyverbs SendWR / RecvWR, see _one_send
+        self._send_wrs: dict[tuple[int, int, int], Any] = {}
+        self._recv_wrs: dict[tuple[int, int, int], Any] = {}
         self._closed = False
         self._ctx._qps[self.qp_num] = self
         pd._qps.add(self)
@@ -965,7 +973,7 @@ class IbvQP(QP):
             if wr.remote_addr % 8:
                 raise InvalidWorkRequest(
                     f"atomic remote address {wr.remote_addr:#x} is not 8-byte aligned")
-        if int(wr.send_flags) & SendFlags.INLINE:
+        if int(wr.send_flags) & _F_INLINE:
             if op in _RD_ATOMIC_OPS:
                 raise InvalidWorkRequest("INLINE is only valid for SEND and RDMA_WRITE")
             if length > self.cap.max_inline_data:
@@ -990,7 +998,12 @@ class IbvQP(QP):
         built: list[Any] = []
         head: Any = None
         try:
-            for wr, op in zip(reversed(wrs), reversed(ops), strict=True):
+            if n == 1 and len(wrs[0].sg_list) == 1:
+                head = self._one_send(wrs[0], ops[0])
+                wrs_to_build: list[tuple[SendWR, WROpcode]] = []
+            else:
+                wrs_to_build = list(zip(reversed(wrs), reversed(ops), strict=True))
+            for wr, op in wrs_to_build:
                 sg = [pvwr.SGE(s.addr, s.length, s.lkey) for s in wr.sg_list]
                 if not sg:
                     sg = [pvwr.SGE(0, 0, 0)]
@@ -1022,10 +1035,63 @@ class IbvQP(QP):
                 obj.close()
             for s in sges:
                 s.close()
-        q.posted_send((wr.wr_id & _M64, bool(int(wr.send_flags) & SendFlags.SIGNALED),
+        q.posted_send((wr.wr_id & _M64, bool(int(wr.send_flags) & _F_SIGNALED),
                        WC_OPCODE_FOR_WR[op]) for wr, op in zip(wrs, ops, strict=True))
         if st == QPState.ERR:
             self._flush_posted()
+
+    @staticmethod
+    def _cache_put(cache: dict[tuple[int, int, int], Any], key: tuple[int, int, int],
+                   p: Any) -> None:
+        if len(cache) >= _WR_CACHE:
+            cache.pop(next(iter(cache))).close()  # the oldest
+        cache[key] = p
+
+    def _one_send(self, wr: SendWR, op: WROpcode) -> Any:
+        """The pyverbs SendWR for a single WR with one SGE, re-used: one is built per
+        (addr, length, lkey) and every other field is set on each post. Building one
+        costs two pyverbs objects (each a logger look-up and a malloc) and their
+        ``close``; the device copies a WR when it is posted, so the object is free
+        again as soon as ``post_send`` returns. A cached WR is never chained (its
+        ``next`` stays NULL). Posting happens on one thread (the event loop's)."""
+        s = wr.sg_list[0]
+        key = (s.addr, s.length, s.lkey)
+        p = self._send_wrs.get(key)
+        if p is None:
+            pvwr = self._pv.wr
+            sge = pvwr.SGE(s.addr, s.length, s.lkey)
+            try:
+                p = pvwr.SendWR(wr_id=0, opcode=int(op), num_sge=1, sg=[sge], send_flags=0)
+            finally:
+                sge.close()  # SendWR copied it
+            self._cache_put(self._send_wrs, key, p)
+        p.wr_id = wr.wr_id & _M64
+        p.opcode = int(op)
+        p.send_flags = int(wr.send_flags)
+        p.imm_data = compat.imm_to_wire(wr.imm_data) if op in _IMM_OPS else 0
+        if op in _RDMA_OPS:
+            p.set_wr_rdma(wr.rkey & _M32, wr.remote_addr & _M64)
+        elif op in _ATOMIC_OPS:
+            p.set_wr_atomic(wr.rkey & _M32, wr.remote_addr & _M64,
+                            wr.compare_add & _M64, wr.swap & _M64)
+        return p
+
+    def _one_recv(self, wr: RecvWR) -> Any:
+        """The pyverbs RecvWR for a single receive with one SGE, re-used like
+        ``_one_send``'s."""
+        s = wr.sg_list[0]
+        key = (s.addr, s.length, s.lkey)
+        p = self._recv_wrs.get(key)
+        if p is None:
+            pvwr = self._pv.wr
+            sge = pvwr.SGE(s.addr, s.length, s.lkey)
+            try:
+                p = pvwr.RecvWR(wr_id=0, num_sge=1, sg=[sge])
+            finally:
+                sge.close()
+            self._cache_put(self._recv_wrs, key, p)
+        p.wr_id = wr.wr_id & _M64
+        return p
 
     def post_recv(self, wrs: list[RecvWR]) -> None:
         st = self._state
@@ -1049,7 +1115,12 @@ class IbvQP(QP):
         built: list[Any] = []
         head: Any = None
         try:
-            for wr in reversed(wrs):
+            if n == 1 and len(wrs[0].sg_list) == 1:
+                head = self._one_recv(wrs[0])
+                rwrs: list[RecvWR] = []
+            else:
+                rwrs = wrs[::-1]
+            for wr in rwrs:
                 sg = [pvwr.SGE(s.addr, s.length, s.lkey) for s in wr.sg_list]
                 if not sg:
                     sg = [pvwr.SGE(0, 0, 0)]
@@ -1088,6 +1159,10 @@ class IbvQP(QP):
             raise ctx._error(exc, "ibv_destroy_qp") from None
         self._closed = True
         self._queues.reset()
+        for cache in (self._send_wrs, self._recv_wrs):
+            for p in cache.values():
+                p.close()
+            cache.clear()
         if ctx._qps.get(self.qp_num) is self:
             del ctx._qps[self.qp_num]
         self.pd._qps.discard(self)
