@@ -18,8 +18,11 @@ import functools
 import inspect
 import io
 import os
+import re
+from collections.abc import Iterator
 
 import pytest
+import pytest_asyncio
 
 try:
     import uvloop
@@ -46,6 +49,8 @@ def provider_name() -> str:
     return name
 
 
+_PYTEST_ASYNCIO = tuple(int(p) for p in re.findall(r"\d+", pytest_asyncio.__version__)[:2])
+
 try:  # pytest-asyncio >= 1.3: loop factories parametrise only the async tests
     from pytest_asyncio.plugin import PytestAsyncioSpecs  # noqa: F401
 
@@ -61,7 +66,7 @@ if _HAVE_FACTORIES:
             factories["uvloop"] = uvloop.new_event_loop
         return factories
 
-else:  # pragma: no cover
+elif _PYTEST_ASYNCIO >= (0, 23):  # pragma: no cover
 
     @pytest.fixture(params=LOOPS)
     def event_loop_policy(request: pytest.FixtureRequest) -> asyncio.AbstractEventLoopPolicy:
@@ -69,6 +74,14 @@ else:  # pragma: no cover
             assert uvloop is not None
             return uvloop.EventLoopPolicy()
         return asyncio.DefaultEventLoopPolicy()
+
+else:  # pragma: no cover - pytest-asyncio < 0.23 (Debian bookworm's 0.20): no policy fixture
+
+    @pytest.fixture(params=LOOPS)
+    def event_loop(request: pytest.FixtureRequest) -> Iterator[asyncio.AbstractEventLoop]:
+        loop = uvloop.new_event_loop() if request.param == "uvloop" else asyncio.new_event_loop()
+        yield loop
+        loop.close()
 
 
 @pytest.fixture
