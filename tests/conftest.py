@@ -76,10 +76,23 @@ elif _PYTEST_ASYNCIO >= (0, 23):  # pragma: no cover
         return asyncio.DefaultEventLoopPolicy()
 
 else:  # pragma: no cover - pytest-asyncio < 0.23 (Debian bookworm's 0.20): no policy fixture
+    # It asks for ``event_loop`` at run time, too late for a parametrised fixture: the
+    # async tests are parametrised here with ``aiordma_loop``, which event_loop reads.
 
-    @pytest.fixture(params=LOOPS)
+    def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+        if inspect.iscoroutinefunction(metafunc.function):
+            metafunc.fixturenames.append("aiordma_loop")
+            metafunc.parametrize("aiordma_loop", LOOPS, indirect=True)
+
+    @pytest.fixture
+    def aiordma_loop(request: pytest.FixtureRequest) -> str:
+        return str(request.param)
+
+    @pytest.fixture
     def event_loop(request: pytest.FixtureRequest) -> Iterator[asyncio.AbstractEventLoop]:
-        loop = uvloop.new_event_loop() if request.param == "uvloop" else asyncio.new_event_loop()
+        name = (request.getfixturevalue("aiordma_loop")
+                if "aiordma_loop" in request.fixturenames else "asyncio")
+        loop = uvloop.new_event_loop() if name == "uvloop" else asyncio.new_event_loop()
         yield loop
         loop.close()
 
