@@ -107,6 +107,24 @@ def ctx(provider_name: str):
     c.close()
 
 
+#: The soft provider's same-host cross-memory attach (verbs/soft/cma.py) on for every
+#: RDMA READ/WRITE (AIORDMA_SOFT_CMA_MIN=1) and off; a single run for other providers.
+SOFT_CMA_MODES = (["cma", "nocma"] if os.environ.get("AIORDMA_PROVIDER", "soft") == "soft"
+                  else ["default"])
+
+
+@pytest.fixture(params=SOFT_CMA_MODES)
+def soft_cma(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run a module's tests (``pytestmark = pytest.mark.usefixtures("soft_cma")``) with
+    the soft device's CMA on and off; child processes inherit the setting."""
+    if request.param == "cma":
+        monkeypatch.setenv("AIORDMA_SOFT_CMA", "1")
+        monkeypatch.setenv("AIORDMA_SOFT_CMA_MIN", "1")
+    elif request.param == "nocma":
+        monkeypatch.setenv("AIORDMA_SOFT_CMA", "0")
+    return str(request.param)
+
+
 ASYNC_TEST_TIMEOUT = float(os.environ.get("AIORDMA_TEST_TIMEOUT", "60"))
 
 

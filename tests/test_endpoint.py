@@ -18,6 +18,7 @@ import pytest
 import aiordma
 from aiordma.options import EndpointOptions
 
+pytestmark = pytest.mark.usefixtures("soft_cma")  # soft: with and without CMA
 HOST = os.environ.get("AIORDMA_TEST_IP", "127.0.0.1")
 T = 20.0  # bound for every await in these tests
 

@@ -14,7 +14,7 @@ from _procs import proc_env as _env
 
 import aiordma
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.usefixtures("soft_cma")]
 
 
 def _stop(proc: subprocess.Popen[str]) -> None:

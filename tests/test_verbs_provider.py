@@ -49,6 +49,7 @@ from aiordma.verbs import (
 )
 from aiordma.verbs.api import CQ, MR, PD, QP
 
+pytestmark = pytest.mark.usefixtures("soft_cma")  # soft: with and without CMA
 S = WCStatus
 ACC_ALL = Access.LOCAL_WRITE | Access.REMOTE_WRITE | Access.REMOTE_READ | Access.REMOTE_ATOMIC
 WAIT_S = 10.0

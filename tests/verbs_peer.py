@@ -7,7 +7,8 @@ Protocol on stdin/stdout, one JSON object per line:
 3. child -> parent: {"ready": true}; then the child only sleeps (time.sleep) until it is
    killed: every one-sided operation on its memory is served without its help.
 
-Provider: AIORDMA_PROVIDER (default soft); address: AIORDMA_TEST_IP (default 127.0.0.1).
+Provider: AIORDMA_PROVIDER (default soft); address: AIORDMA_TEST_IP (default 127.0.0.1);
+size of the registered buffer: AIORDMA_TEST_PEER_MR (default 1 MiB).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from aiordma.verbs import (  # noqa: E402
     open_context,
 )
 
-MR_SIZE = 1 << 20
+MR_SIZE = int(os.environ.get("AIORDMA_TEST_PEER_MR", 1 << 20))
 
 
 def main() -> None:

@@ -8,6 +8,7 @@ Modules (one reason to change each):
 * ``limits``    -- device attributes reported by query_device
 * ``engine``    -- the per-process device: listeners, NIC thread (watchdog), timers, tables
 * ``conn``      -- one connection: output queue, zero-copy input parser, its driver
+* ``cma``       -- same-host cross-memory attach (process_vm_readv/writev) for READ/WRITE
 * ``notify``    -- pipe-backed readable flag (channel fds, async fd)
 * ``cq``        -- CQ and completion channel (manual progress: the loop moves the bytes)
 * ``mr``        -- PD, MR and the lkey/rkey table

@@ -12,7 +12,14 @@ does not take is queued and the driver is asked to finish it.
 Input: bytes are read into a staging buffer and parsed there; a payload goes to its
 ``Sink`` (a list of memoryview slices of registered memory). Bytes of a payload that
 arrived together with its header are copied from staging; the rest of a large payload
-is received with ``recv_into`` straight into the destination.
+is received with ``recv_into`` straight into the destination. A sink's ``job`` (a
+same-host CMA copy, ``cma``) runs once its bytes are in, with the device lock
+released, before its ``on_done``; the connection reads nothing else meanwhile, so
+requests still execute one after the other, in order.
+
+CMA state (``cma``, requester side): UNKNOWN until the first request on an open Unix
+connection sends the probe (PROBING); the answer sets ON or OFF for the connection's
+life. TCP connections, ``AIORDMA_SOFT_CMA=0`` and an unknown peer pid mean OFF.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ from collections.abc import Callable
 from itertools import islice
 from typing import TYPE_CHECKING, Protocol
 
-from . import wire
+from . import cma, wire
 
 if TYPE_CHECKING:
     from .cq import SoftCompChannel
@@ -39,6 +46,7 @@ IOV_CHUNK = 64
 CLOSE_LINGER_S = 2.0
 
 CONNECTING, OPEN, CLOSING, CLOSED = range(4)
+CMA_UNKNOWN, CMA_PROBING, CMA_ON, CMA_OFF = range(4)
 
 _scratch = memoryview(bytearray(STAGE_SIZE))
 _HDR_UNPACK = wire.HDR.unpack_from
@@ -53,17 +61,20 @@ class ConnOwner(Protocol):
 
 
 class Sink:
-    """Destination of ``length`` payload bytes: ``segs`` (None = discard), then ``on_done``."""
+    """Destination of ``length`` payload bytes: ``segs`` (None = discard), then ``job``
+    (device lock released), then ``on_done`` (lock held)."""
 
-    __slots__ = ("segs", "idx", "off", "remaining", "on_done")
+    __slots__ = ("segs", "idx", "off", "remaining", "on_done", "job")
 
     def __init__(self, segs: list[memoryview] | None, length: int,
-                 on_done: Callable[[], None] | None = None) -> None:
+                 on_done: Callable[[], None] | None = None,
+                 job: Callable[[], None] | None = None) -> None:
         self.segs = segs
         self.idx = 0
         self.off = 0
         self.remaining = length
         self.on_done = on_done
+        self.job = job
 
     def target(self) -> memoryview:
         """Where the next bytes go (at most ``remaining``)."""
@@ -129,14 +140,58 @@ class Conn:
         self._busy = False  # a thread is processing input (device lock protects the flag)
         self.requests_sent = False  # a requester sent requests on it (no longer swappable)
         self.driver: SoftCompChannel | None = None
+        self._write_broken = False  # the peer closed: output is dropped, input read to EOF
+        self.cma = CMA_UNKNOWN
+        self.cma_min = 0
+        self._pid = -1
         engine.conns.add(self)
 
     def __repr__(self) -> str:
         return f"<Conn state={self.state} fd={self.sock.fileno() if self.sock else -1} peer={self.peer}>"
 
+    # --- same-host cross-memory attach (lock held) -----------------------------------------
+    def peer_pid(self) -> int:
+        """The peer process's pid (``SO_PEERCRED``), 0 if unknown or not a Unix socket."""
+        if self._pid < 0:
+            if self.sock is None:
+                return 0
+            self._pid = cma.peer_pid(self.sock)
+        return self._pid
+
+    def cma_ready(self) -> bool:
+        """Requester: True when requests on this connection may use CMA (probing first
+        if nobody did yet)."""
+        if self.cma == CMA_UNKNOWN:
+            self.cma_start()
+        return self.cma == CMA_ON
+
+    def cma_start(self, after_hello: bool = False) -> None:
+        """Requester: probe once, as soon as the connection is open (``after_hello``:
+        the hello is still queued; the probe goes right after it, before requests)."""
+        if self.cma != CMA_UNKNOWN or self.state != OPEN or self.sock is None:
+            return
+        if not cma.enabled() or self.sock.family != socket.AF_UNIX:
+            self.cma = CMA_OFF
+            return
+        self.cma = CMA_PROBING
+        self.cma_min = cma.min_size()
+        msg = wire.pack(wire.OP_CMA_PROBE, 0, remote_addr=cma.PROBE_ADDR,
+                        compare_add=cma.PROBE_COOKIE)
+        if after_hello and self.out:
+            self.out.insert(1, msg)
+        else:
+            self.send([msg])
+
+    def _cma_control(self, h: tuple[int, ...]) -> None:
+        if h[0] == wire.OP_CMA_PROBE:
+            ok = cma.probe(self.peer_pid(), h[8], h[9])
+            self.send([wire.pack(wire.OP_CMA_ACK, 0, aux=int(ok))])
+        elif h[0] == wire.OP_CMA_ACK and self.cma == CMA_PROBING:
+            self.cma = CMA_ON if h[2] else CMA_OFF
+
     # --- output (device lock held, any thread) ----------------------------------------------
     def send(self, bufs: list[bytes | memoryview]) -> None:
-        if self.state >= CLOSING:
+        if self.state >= CLOSING or self._write_broken:
             return
         self.out.extend(bufs)
         if self.state == OPEN and not self.want_write:
@@ -154,6 +209,11 @@ class Conn:
                 break
             except OSError:
                 out.clear()
+                if self.reading and self.state == OPEN and self.sock is not None:
+                    # The peer closed (EPIPE): what it sent before closing (e.g. the NAK
+                    # that made it close) is still to be read; the EOF then fails us.
+                    self._write_broken = True
+                    return
                 self.fail()
                 return
             sent_any = True
@@ -372,8 +432,7 @@ class Conn:
                         continue
                     if sink.remaining == 0:
                         self._sink = None
-                        if sink.on_done is not None:
-                            sink.on_done()
+                        self._finish(sink, lock)
                     continue
                 need = wire.HELLO.size if self.expect_hello else wire.HDR.size
                 if self._wpos - self._rpos >= need:
@@ -386,15 +445,18 @@ class Conn:
                     h = _HDR_UNPACK(self._stage, self._rpos)
                     self._rpos += need
                     owner = self.owner
+                    if h[0] >= wire.OP_CMA_PROBE:
+                        self._cma_control(h)
+                        continue
                     if owner is not None and self.state == OPEN:
                         s = owner.conn_header(self, h)
                     else:
-                        s = discard(h[4]) if h[0] in wire.PAYLOAD_OPS else None
+                        s = discard(wire.payload_len(h))
                     if s is not None:
                         if s.remaining:
                             self._sink = s
-                        elif s.on_done is not None:
-                            s.on_done()
+                        else:
+                            self._finish(s, lock)
                     continue
                 if budget <= 0 or self._short or not self._fill(sock):
                     break
@@ -407,6 +469,18 @@ class Conn:
         owner = self.owner
         if owner is not None and self.state == OPEN:
             owner.conn_batch_end(self)
+
+    @staticmethod
+    def _finish(sink: Sink, lock: threading.Lock) -> None:
+        """All of ``sink``'s bytes are in: its job (lock released), then on_done."""
+        if sink.job is not None:
+            lock.release()
+            try:
+                sink.job()
+            finally:
+                lock.acquire()
+        if sink.on_done is not None:
+            sink.on_done()
 
     def _fill(self, sock: socket.socket) -> bool:
         """Read more into staging (lock held); False on EAGAIN. Raises OSError; handles

@@ -287,6 +287,7 @@ class Engine:
             conn.peer = sa
             conn.state = OPEN
             conn.reading = True
+            conn.cma_start(after_hello=True)
             conn._update_sel()
             if conn.out:
                 conn._flush()

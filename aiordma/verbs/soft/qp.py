@@ -114,7 +114,7 @@ class SoftQP(Requester, Responder):
         if conn is self._req_conn or conn is self._resp_conn:
             conn.fail()
             return None
-        return discard(h[4]) if op in wire.PAYLOAD_OPS else None
+        return discard(wire.payload_len(h))
 
     def conn_batch_end(self, conn: Conn) -> None:
         if conn is self._resp_conn:

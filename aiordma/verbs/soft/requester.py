@@ -10,9 +10,9 @@ from __future__ import annotations
 import time
 
 from ..enums import QPState, WCStatus
-from . import wire
+from . import cma, wire
 from .conn import CLOSING, CONNECTING, OPEN, Conn, Sink, discard
-from .qpcore import QPCore, scatter
+from .qpcore import SWQE, QPCore, scatter
 
 #: floor of the ACK timeout: a Python peer can stall this long (GC, GIL) and still be alive
 MIN_ACK_TIMEOUT_S = 1.0
@@ -44,6 +44,7 @@ class Requester(QPCore):
             if c.state == OPEN and c.hello is not None and c.hello[0] == dest:
                 c.owner = self  # bound as our responder connection too (release_held)
                 self._req_conn = c
+                c.cma_start()
                 return c
         if lazy and self._peer_connects():
             return None
@@ -103,6 +104,7 @@ class Requester(QPCore):
         unsent = self._unsent
         inflight = self._inflight
         bufs: list[bytes | memoryview] = []
+        cma_min = conn.cma_min if conn.cma_ready() else -1
         if not inflight:
             self._progress = time.monotonic()
         while unsent:
@@ -120,6 +122,8 @@ class Requester(QPCore):
                 break
             unsent.popleft()
             inflight.append(w)
+            if 0 <= cma_min <= w.length and w.op in wire.CMA_OPS and _cma_request(w, bufs):
+                continue
             bufs.append(w.hdr)
             if w.op in wire.PAYLOAD_OPS:
                 bufs.extend(w.segs)
@@ -180,7 +184,7 @@ class Requester(QPCore):
     def _on_response(self, conn: Conn, h: tuple[int, ...]) -> Sink | None:
         op, flags, aux, psn, length, _imm, _rkey, _pad, _raddr, value, _swap = h
         if self._state != QPState.RTS or op not in wire.RESPONSE_OPS:
-            return discard(length) if op in wire.PAYLOAD_OPS else None
+            return discard(wire.payload_len(h))
         self._progress = time.monotonic()
         inflight = self._inflight
         # implicit acknowledgement of everything before psn (and psn itself for an ACK)
@@ -199,7 +203,7 @@ class Requester(QPCore):
                 self._pump()
             return None
         if not inflight or inflight[0].psn != psn:  # stale (cannot happen on one TCP stream)
-            return discard(length) if op == wire.OP_READ_RESP else None
+            return discard(wire.payload_len(h))
         w = inflight[0]
         if op == wire.OP_NAK:
             if aux == wire.NAK_RNR:
@@ -221,7 +225,13 @@ class Requester(QPCore):
             inflight.popleft()
             self._sq_complete(w, WCStatus.BAD_RESP_ERR)
             self._to_error(None)
-            return discard(length)
+            return discard(wire.payload_len(h))
+        if flags & wire.FLAG_CMA:  # the responder wrote the data in place (cma)
+            inflight.popleft()
+            self._sq_complete(w, WCStatus.SUCCESS, length)
+            if self._unsent:
+                self._pump()
+            return None
         gen = self._gen
 
         def done() -> None:
@@ -261,3 +271,17 @@ class Requester(QPCore):
         self._rnr_wait = False
         self._progress = time.monotonic()
         self._pump()
+
+
+def _cma_request(w: SWQE, bufs: list[bytes | memoryview]) -> bool:
+    """Append ``w``'s request in its CMA form (header with FLAG_CMA, the addresses of its
+    local SGEs as payload; wire: cross-memory attach) to ``bufs``; False when ``w``
+    cannot use it (too many SGEs, a read-only inline copy)."""
+    segs = w.segs
+    if len(segs) > cma.IOV_MAX or any(v.readonly for v in segs):
+        return False
+    iov = cma.pack_iov([(cma.address_of(v), len(v)) for v in segs])
+    h = w.hdr
+    bufs.append(bytes((h[0], h[1] | wire.FLAG_CMA)) + len(segs).to_bytes(2, "little") + h[4:])
+    bufs.append(iov)
+    return True

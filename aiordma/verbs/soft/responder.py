@@ -5,12 +5,20 @@ the connection straight into the receive buffer / the target MR (a ``Sink``); RE
 responses are sent from slices of the MR; atomics execute here, under the device lock
 on the single NIC thread, so they are atomic across every QP of the device.
 Successful SEND/WRITE requests are acknowledged once per batch of input (coalesced ACK).
+A WRITE or READ with FLAG_CMA (wire, ``cma``) is validated the same way; then the data
+moves by one cross-memory copy between the MR and the requester's process, run by the
+connection with the device lock released (the sink's ``job``), and the request
+completes as its socket form would. A failed copy (the requester's memory is gone)
+is answered with a remote operational error NAK.
 """
 
 from __future__ import annotations
 
+import errno
+from collections.abc import Callable
+
 from ..enums import Access, EventType, QPState, WCOpcode, WCStatus
-from . import wire
+from . import cma, wire
 from .conn import CLOSING, Conn, Sink, discard
 from .qpcore import QPCore, scatter
 
@@ -46,6 +54,7 @@ class Responder(QPCore):
         req = self._req_conn
         if req is None or req.state >= CLOSING:
             self._req_conn = conn  # our requests travel on the peer's connection
+            conn.cma_start()
             if self._unsent and not self._conn_wait:
                 self._pump()  # type: ignore[attr-defined]
         elif req is not conn and not req.requests_sent and self._peer_connects():
@@ -53,6 +62,7 @@ class Responder(QPCore):
             # carried nothing yet: the one opened by the smaller (port, QPN) serves both
             # directions; drop ours (the peer sees it close before any request).
             self._req_conn = conn
+            conn.cma_start()
             req.shutdown(graceful=False)
         return True
 
@@ -90,24 +100,41 @@ class Responder(QPCore):
             return None
         return mr.view[off:off + length]
 
+    def _cma_read(self, conn: Conn, psn: int, src: memoryview, plen: int) -> Sink:
+        """A READ with FLAG_CMA: write ``src`` into the requester's SGEs, then answer."""
+        gen = self._gen
+        copy = _CMACopy(conn, [src], plen, write=True)
+
+        def read_done() -> None:
+            if self._gen != gen or self._state not in (QPState.RTR, QPState.RTS):
+                return
+            if copy.err:
+                self._nak_error(conn, psn, wire.NAK_REM_OP, None)
+                return
+            self._epsn = wire.psn_add(psn)
+            self._respond(conn, [wire.pack(wire.OP_READ_RESP, psn, len(src),
+                                           flags=wire.FLAG_CMA)])
+
+        return copy.sink(read_done)
+
     def _on_request(self, conn: Conn, h: tuple[int, ...]) -> Sink | None:
-        op, flags, _aux, psn, length, imm, rkey, _pad, raddr, compare_add, swap = h
-        has_payload = op in wire.PAYLOAD_OPS
+        op, flags, aux, psn, length, imm, rkey, _pad, raddr, compare_add, swap = h
+        plen = wire.payload_len(h)
         if (self._state not in (QPState.RTR, QPState.RTS) or psn != self._epsn
                 or op not in wire.REQUEST_OPS):
             # out of sequence (e.g. behind an RNR NAK'd request): drop, the requester resends
-            return discard(length) if has_payload else None
+            return discard(plen)
         rq = self._rq
         if op in (wire.OP_SEND, wire.OP_SEND_IMM, wire.OP_WRITE_IMM) and not rq:
             self._respond(conn, [wire.pack(wire.OP_NAK, psn, aux=wire.NAK_RNR,
                                            flags=self._min_rnr_timer & 31)])
-            return discard(length)
+            return discard(plen)
         right = _QP_RIGHT.get(op)
         if right is not None and not (self._acc & right):
             # The QP itself does not allow this operation: an invalid request (rxe:
             # REM_INV_REQ_ERR at the requester, no async event), not an access error.
             self._nak_error(conn, psn, wire.NAK_INV_REQ, None)
-            return discard(length) if has_payload else None
+            return discard(plen)
         gen = self._gen
         if op == wire.OP_SEND or op == wire.OP_SEND_IMM:
             r = rq[0]
@@ -141,15 +168,19 @@ class Responder(QPCore):
                 target = self._rkey_view(rkey, raddr, length, _REMOTE_WRITE)
                 if target is None:
                     self._nak_error(conn, psn, wire.NAK_REM_ACCESS, EventType.QP_ACCESS_ERR)
-                    return discard(length)
+                    return discard(plen)
                 segs = [target]
             else:
                 segs = []
             r0 = rq[0] if op == wire.OP_WRITE_IMM else None
             solicited = bool(flags & wire.FLAG_SOLICITED)
+            cma_copy = _CMACopy(conn, segs, plen, write=False) if flags & wire.FLAG_CMA else None
 
             def write_done() -> None:
                 if self._gen != gen or self._state not in (QPState.RTR, QPState.RTS):
+                    return
+                if cma_copy is not None and cma_copy.err:
+                    self._nak_error(conn, psn, wire.NAK_REM_OP, None)
                     return
                 if r0 is not None:
                     if not self._rq or self._rq[0] is not r0:
@@ -160,6 +191,8 @@ class Responder(QPCore):
                 self._epsn = wire.psn_add(psn)
                 self._ack_pending = psn
 
+            if cma_copy is not None:
+                return cma_copy.sink(write_done)
             return Sink(segs, length, write_done)
 
         if op == wire.OP_READ:
@@ -167,13 +200,15 @@ class Responder(QPCore):
                 src = self._rkey_view(rkey, raddr, length, _REMOTE_READ)
                 if src is None:
                     self._nak_error(conn, psn, wire.NAK_REM_ACCESS, EventType.QP_ACCESS_ERR)
-                    return None
+                    return discard(plen)
+                if flags & wire.FLAG_CMA:
+                    return self._cma_read(conn, psn, src, plen)
                 bufs: list[bytes | memoryview] = [wire.pack(wire.OP_READ_RESP, psn, length), src]
             else:
                 bufs = [wire.pack(wire.OP_READ_RESP, psn, 0)]
             self._epsn = wire.psn_add(psn)
             self._respond(conn, bufs)
-            return None
+            return discard(plen)  # a zero-length READ never uses CMA: normally None
 
         # atomics
         target = self._rkey_view(rkey, raddr, 8, _REMOTE_ATOMIC)
@@ -191,3 +226,27 @@ class Responder(QPCore):
         self._epsn = wire.psn_add(psn)
         self._respond(conn, [wire.pack(wire.OP_ATOMIC_RESP, psn, compare_add=old)])
         return None
+
+
+class _CMACopy:
+    """One CMA request's data movement: collect the requester's iovec records (the
+    request's payload), then copy between them and ``local`` (MR slices, kept alive
+    here) with the device lock released. ``err``: 0, or the errno of a failed copy
+    (also EINVAL when the records do not add up to the local length)."""
+
+    __slots__ = ("pid", "local", "write", "iov", "err")
+
+    def __init__(self, conn: Conn, local: list[memoryview], plen: int, write: bool) -> None:
+        self.pid = conn.peer_pid()
+        self.local = local
+        self.write = write
+        self.iov = bytearray(plen)
+        self.err = 0
+
+    def sink(self, on_done: Callable[[], None]) -> Sink:
+        return Sink([memoryview(self.iov)], len(self.iov), on_done, self.run)
+
+    def run(self) -> None:
+        local = [(cma.address_of(v), len(v)) for v in self.local if len(v)]
+        remote = cma.unpack_iov(self.iov)
+        self.err = cma.copy(self.pid, local, remote, self.write) if self.pid > 0 else errno.EPERM

@@ -43,6 +43,16 @@ the responder's min_rnr_timer code in ``flags``), READ_RESP (payload = the data 
 ATOMIC_RESP (``compare_add`` = the original remote value). Any response for ``psn``
 also acknowledges every earlier request (as IB's implicit acknowledgement does).
 
+Same-host cross-memory attach (``cma``): a WRITE, WRITE_IMM or READ request with
+``FLAG_CMA`` carries, instead of the data, ``aux`` iovec records ``u64 addr | u64 len``
+(the requester's local SGEs, ``length`` bytes in all) as its payload; the responder
+validates it as any request, then copies the data itself between the requester's
+process (pid from ``SO_PEERCRED``) and the MR, and answers as usual (a READ with a
+READ_RESP carrying ``FLAG_CMA`` and no payload). A requester sends FLAG_CMA only on a
+connection whose probe succeeded: CMA_PROBE (``remote_addr``/``compare_add`` = the
+address and value of a probe word in the requester) is answered by CMA_ACK (``aux`` =
+1 when the responder could read the word, else 0). Neither consumes a PSN.
+
 The responder only executes the request whose PSN is the expected one and silently
 drops others; after an RNR NAK for PSN p the requester waits and retransmits
 go-back-N from p, and the responder drops everything until p arrives again.
@@ -71,6 +81,9 @@ OP_ACK = 16
 OP_NAK = 17
 OP_READ_RESP = 18
 OP_ATOMIC_RESP = 19
+# connection control (no PSN; handled by the connection itself)
+OP_CMA_PROBE = 32
+OP_CMA_ACK = 33
 
 REQUEST_OPS = frozenset({OP_SEND, OP_SEND_IMM, OP_WRITE, OP_WRITE_IMM, OP_READ, OP_CMP_SWP,
                          OP_FETCH_ADD})
@@ -79,6 +92,9 @@ PAYLOAD_OPS = frozenset({OP_SEND, OP_SEND_IMM, OP_WRITE, OP_WRITE_IMM, OP_READ_R
 
 # flags
 FLAG_SOLICITED = 1
+FLAG_CMA = 2  # WRITE/READ by cross-memory attach (see above)
+CMA_OPS = frozenset({OP_WRITE, OP_WRITE_IMM, OP_READ})
+IOV_SIZE = 16
 
 # NAK syndromes (aux)
 NAK_RNR = 1
@@ -88,6 +104,13 @@ NAK_REM_OP = 4
 
 PSN_MASK = 0xFFFFFF
 MAX_MSG = 1 << 31
+
+
+def payload_len(h: tuple[int, ...]) -> int:
+    """How many payload bytes follow the header ``h`` (an unpacked ``HDR``)."""
+    if h[1] & FLAG_CMA:
+        return IOV_SIZE * h[2] if h[0] in CMA_OPS else 0
+    return h[4] if h[0] in PAYLOAD_OPS else 0
 
 
 def psn_add(psn: int, n: int = 1) -> int:

@@ -1,0 +1,163 @@
+"""Cross-memory attach (CMA): one kernel copy between two processes on one host.
+
+Used by the soft device for large RDMA WRITE and READ between same-host devices (the
+abstract Unix socket path), as UCX's CMA transport and MPI do: instead of streaming the
+payload through the socket (two kernel copies), the responder copies it directly with
+``process_vm_readv`` (WRITE: from the requester's source into the target MR) or
+``process_vm_writev`` (READ: from the source MR into the requester's destination).
+The requester sends the addresses of its local SGEs instead of the data (``wire``:
+FLAG_CMA). The responder validates exactly as for a socket request; only the data
+movement differs.
+
+Contract:
+
+* ``enabled()``: Linux, libc has the calls, and ``AIORDMA_SOFT_CMA`` is not ``0``.
+* ``min_size()``: requests of fewer bytes use the socket (``AIORDMA_SOFT_CMA_MIN``,
+  default ``DEFAULT_MIN``).
+* ``peer_pid(sock)``: the peer's pid from ``SO_PEERCRED`` (kernel-verified, never what
+  the peer claims); 0 when unknown (not a Unix socket, another pid namespace).
+* ``copy(pid, local, remote, write)``: ``(addr, len)`` lists of equal total length;
+  returns 0 when every byte was copied, else an errno (EFAULT, EPERM, ESRCH, ...).
+  The caller keeps the local memory alive (holds a view of it) during the call. The
+  GIL is released during the system call (ctypes).
+* ``probe(pid, addr, cookie)``: True when ``pid``'s 8 bytes at ``addr`` are ``cookie``
+  (the peer's ``PROBE_ADDR``/``PROBE_COOKIE``): CMA works between the two processes.
+  A connection probes once before its first CMA request and keeps the socket path
+  for good when the probe fails.
+* ``copies``: how many data copies ran in this process (for tests and diagnostics).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import random
+import socket
+import struct
+import sys
+from typing import Any
+
+DEFAULT_MIN = 256 * 1024
+#: the kernel's IOV_MAX: longer SGE lists use the socket
+IOV_MAX = 1024
+
+IOV = struct.Struct("<QQ")
+_CRED = struct.Struct("3i")
+
+
+class _IOVec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+def _bind() -> tuple[Any, Any] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fns = libc.process_vm_readv, libc.process_vm_writev
+    except (OSError, AttributeError):  # pragma: no cover - old libc
+        return None
+    for fn in fns:
+        fn.restype = ctypes.c_ssize_t
+        fn.argtypes = [ctypes.c_int, ctypes.POINTER(_IOVec), ctypes.c_ulong,
+                       ctypes.POINTER(_IOVec), ctypes.c_ulong, ctypes.c_ulong]
+    return fns
+
+
+_FNS = _bind()
+
+_probe_word = ctypes.c_uint64(random.getrandbits(64) | 1)
+PROBE_ADDR: int = ctypes.addressof(_probe_word)
+PROBE_COOKIE: int = _probe_word.value
+
+
+def enabled() -> bool:
+    return _FNS is not None and os.environ.get("AIORDMA_SOFT_CMA", "1") != "0"
+
+
+def min_size() -> int:
+    try:
+        return max(1, int(os.environ.get("AIORDMA_SOFT_CMA_MIN", DEFAULT_MIN)))
+    except ValueError:
+        return DEFAULT_MIN
+
+
+def peer_pid(sock: socket.socket) -> int:
+    if sock.family != socket.AF_UNIX:
+        return 0
+    try:
+        pid, _uid, _gid = _CRED.unpack(
+            sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
+    except OSError:  # pragma: no cover
+        return 0
+    return pid if pid > 0 else 0
+
+
+def address_of(view: memoryview) -> int:
+    """The address of a writable, contiguous memoryview (MR slices always are)."""
+    return ctypes.addressof((ctypes.c_char * len(view)).from_buffer(view))
+
+
+def pack_iov(pairs: list[tuple[int, int]]) -> bytes:
+    return b"".join(IOV.pack(a, n) for a, n in pairs)
+
+
+def unpack_iov(buf: bytes | bytearray | memoryview) -> list[tuple[int, int]]:
+    return [IOV.unpack_from(buf, i) for i in range(0, len(buf) - IOV.size + 1, IOV.size)]
+
+
+def _array(pairs: list[tuple[int, int]]) -> Any:
+    arr = (_IOVec * len(pairs))()
+    for i, (a, n) in enumerate(pairs):
+        arr[i].base = a
+        arr[i].len = n
+    return arr
+
+
+def _skip(pairs: list[tuple[int, int]], n: int) -> list[tuple[int, int]]:
+    out = []
+    for a, k in pairs:
+        if n >= k:
+            n -= k
+            continue
+        out.append((a + n, k - n))
+        n = 0
+    return out
+
+
+copies = 0
+
+
+def copy(pid: int, local: list[tuple[int, int]], remote: list[tuple[int, int]],
+         write: bool) -> int:
+    global copies
+    copies += 1
+    if _FNS is None:
+        return errno.ENOSYS
+    fn = _FNS[1] if write else _FNS[0]
+    total = sum(n for _, n in local)
+    if total != sum(n for _, n in remote) or len(local) > IOV_MAX or len(remote) > IOV_MAX:
+        return errno.EINVAL
+    while total:
+        done = fn(pid, _array(local), len(local), _array(remote), len(remote), 0)
+        if done < 0:
+            err = ctypes.get_errno()
+            if err == errno.EINTR:
+                continue
+            return err or errno.EFAULT
+        if done == 0:
+            return errno.EFAULT
+        total -= done
+        if total:  # partial: a fault at an iovec boundary; retry the rest once more
+            local, remote = _skip(local, done), _skip(remote, done)
+    return 0
+
+
+def probe(pid: int, addr: int, cookie: int) -> bool:
+    if pid <= 0 or not enabled():
+        return False
+    word = ctypes.c_uint64(0)
+    if copy(pid, [(ctypes.addressof(word), 8)], [(addr, 8)], write=False):
+        return False
+    return word.value == cookie
