@@ -20,7 +20,6 @@ Variants:
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from typing import Any
 
@@ -28,74 +27,9 @@ from aiordma.cq_reactor import CQReactor, future_handler
 from aiordma.verbs import WC, WCOpcode, WCStatus
 
 from .common import REACTOR_BATCHES, Config, Result, run
+from .fakecq import FakeCtx
 
 VARIANTS = ("reactor-fake", "reactor-future", "reactor-soft")
-
-
-class FakeChannel:
-    def __init__(self) -> None:
-        self.r, self.w = os.pipe()
-        os.set_blocking(self.r, False)
-        os.set_blocking(self.w, False)
-        self.fd = self.r
-        self.events: list[Any] = []
-
-    def fire(self, cq: Any) -> None:
-        self.events.append(cq)
-        os.write(self.w, b"x")
-
-    def get_event(self) -> Any:
-        try:
-            os.read(self.r, 1)
-        except BlockingIOError:
-            return None
-        return self.events.pop(0)
-
-    def close(self) -> None:
-        os.close(self.r)
-        os.close(self.w)
-
-
-class FakeCQ:
-    """verbs semantics: arming is one-shot; an event fires for a completion added after."""
-
-    def __init__(self, channel: FakeChannel) -> None:
-        self.channel = channel
-        self.q: list[WC] = []
-        self.armed = False
-
-    def add_batch(self, wcs: list[WC]) -> None:
-        self.q.extend(wcs)
-        if self.armed:
-            self.armed = False
-            self.channel.fire(self)
-
-    def poll(self, n: int) -> list[WC]:
-        q = self.q
-        if not q:
-            return []
-        out = q[:n]
-        del q[:n]
-        return out
-
-    def req_notify(self, solicited_only: bool = False) -> None:
-        self.armed = True
-
-    def ack_events(self, n: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-class FakeCtx:
-    name = "fake0"
-
-    def create_comp_channel(self) -> FakeChannel:
-        return FakeChannel()
-
-    def create_cq(self, cqe: int, channel: FakeChannel) -> FakeCQ:
-        return FakeCQ(channel)
 
 
 async def _measure(variant: str, batch: int, cfg: Config) -> Result:

@@ -8,7 +8,6 @@ re-arm must still be dispatched (the re-arm-then-drain rule), and the tests woul
 from __future__ import annotations
 
 import asyncio
-import os
 from typing import Any
 
 import pytest
@@ -16,81 +15,7 @@ import pytest
 from aiordma.cq_reactor import CQReactor, future_handler, poll_settings
 from aiordma.errors import RemoteAccessError
 from aiordma.verbs import WC, WCOpcode, WCStatus
-
-
-class FakeChannel:
-    def __init__(self) -> None:
-        self.r, self.w = os.pipe()
-        os.set_blocking(self.r, False)
-        self.fd = self.r
-        self.events: list[Any] = []
-
-    def fire(self, cq: Any) -> None:
-        self.events.append(cq)
-        os.write(self.w, b"x")
-
-    def get_event(self) -> Any:
-        try:
-            os.read(self.r, 1)
-        except BlockingIOError:
-            return None
-        return self.events.pop(0)
-
-    def close(self) -> None:
-        os.close(self.r)
-        os.close(self.w)
-
-
-class FakeCQ:
-    """Arming is one-shot; an event fires only for a completion added after arming."""
-
-    def __init__(self, channel: FakeChannel) -> None:
-        self.channel = channel
-        self.q: list[WC] = []
-        self.armed = False
-        self.acked = 0
-        self.events = 0
-        self.on_empty_poll: Any = None  # race injection hook
-        self.closed = False
-
-    def add(self, wc: WC) -> None:
-        self.q.append(wc)
-        if self.armed:
-            self.armed = False
-            self.events += 1
-            self.channel.fire(self)
-
-    def poll(self, n: int) -> list[WC]:
-        out, self.q = self.q[:n], self.q[n:]
-        if not out and self.on_empty_poll is not None:
-            hook, self.on_empty_poll = self.on_empty_poll, None
-            hook()  # a completion arrives after our empty poll, before we arm
-        return out
-
-    def req_notify(self, solicited_only: bool = False) -> None:
-        self.armed = True
-
-    def ack_events(self, n: int) -> None:
-        self.acked += n
-
-    def close(self) -> None:
-        assert self.acked == self.events, "CQ destroyed with unacknowledged events"
-        self.closed = True
-
-
-class FakeCtx:
-    name = "fake0"
-
-    def __init__(self) -> None:
-        self.cqs: list[FakeCQ] = []
-
-    def create_comp_channel(self) -> FakeChannel:
-        return FakeChannel()
-
-    def create_cq(self, cqe: int, channel: FakeChannel) -> FakeCQ:
-        cq = FakeCQ(channel)
-        self.cqs.append(cq)
-        return cq
+from benchmarks.fakecq import FakeCQ, FakeCtx
 
 
 def _wc(wr_id: int, status: WCStatus = WCStatus.SUCCESS) -> WC:
