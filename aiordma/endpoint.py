@@ -103,6 +103,7 @@ _MASK64 = (1 << 64) - 1
 
 # op kinds (_BATCH: several _DATA ops sent as one BATCH frame; its payload lists them)
 _DATA, _RNDV, _CTRL, _WRITE, _READ, _ATOMIC, _IMM, _RNDV_READ, _BATCH = range(9)
+_BUSY_READ_AHEAD = 4 << 20  # staging bytes read ahead while a receive is in progress
 _GRACE_S = 1.0  # after the peer's EOF, how long posted work may take to complete
 _PEER_GONE = (WCStatus.RETRY_EXC_ERR, WCStatus.RNR_RETRY_EXC_ERR)
 
@@ -229,6 +230,7 @@ class Endpoint:
         self._rndv_out: dict[int, _Op] = {}
         self._prefetched = 0  # bytes of rendezvous messages read ahead into staging
         self._deferred = 0  # rendezvous messages queued without a READ (rx.deferred)
+        self._busy_ahead = min(opts.rndv_prefetch, _BUSY_READ_AHEAD)
         self._prefetch_scheduled = False
         self._msg_ids = itertools.count(1)
         self._posted_recvs = 0
@@ -602,8 +604,24 @@ class Endpoint:
             if rx.staging is None:
                 rx.read_fut = None  # landed in a cancelled caller's buffer: read again
         if rx.read_fut is None:
-            await _uncancelled(self._start_rndv_read(rx, span))
+            fut = self._start_rndv_read(rx, span)
+            if self._deferred:
+                self._read_ahead_busy()
+            await _uncancelled(fut)
         return rx.staging
+
+    def _read_ahead_busy(self) -> None:
+        """A receive READs its message straight into the caller's buffer: read the next
+        few messages (up to ``min(rndv_prefetch, 4 MiB)``) into staging meanwhile, so
+        the READs overlap the application's work instead of one READ per receive call.
+        (Measured, soft with CMA, send_bw 1 MiB, 4 same-run pairs: 2.2-3.0 GB/s
+        without, 3.2-4.4 with; the next receive copies from staging at memcpy speed.)"""
+        limit = self._busy_ahead
+        for r in self._rx:
+            if r.deferred and r.read_fut is None:
+                if self._prefetched + r.length > limit:
+                    return
+                self._start_rndv_read(r, None)
 
     def _schedule_prefetch(self) -> None:
         """No receive is in progress: read ahead the rendezvous messages that arrived
@@ -1174,10 +1192,12 @@ class Endpoint:
             elif (not self._receivers
                   and self._prefetched + rx.length <= self._opts.rndv_prefetch):
                 self._start_rndv_read(rx, None)  # buffer it now, like a TCP receive buffer
+            elif self._receivers and self._prefetched + rx.length <= self._busy_ahead:
+                self._start_rndv_read(rx, None)  # keep the link busy (_read_ahead_busy)
             else:
-                # a receive is in progress (its next one READs this straight into the
-                # caller's buffer, no staging copy), or the read-ahead budget is spent:
-                # read it ahead once nobody receives (_schedule_prefetch)
+                # the read-ahead budget is spent: a receiver READs it straight into its
+                # buffer, or it is read ahead once there is room (_read_ahead_busy,
+                # _schedule_prefetch)
                 rx.deferred = True
                 self._deferred += 1
         elif ftype == FrameType.RNDV_DONE:

@@ -27,8 +27,9 @@ class EndpointOptions:
       ceiling: the port's ``max_msg_sz``); longer transfers are posted in pieces.
     * ``rndv_prefetch``: bytes of large messages read ahead into staging while the
       application is not receiving (like a TCP receive buffer); beyond it the sender
-      waits for ``recv``. While a receive is in progress, arriving messages wait for
-      the next one, which READs them straight into its buffer (no staging copy).
+      waits for ``recv``. While a receive is in progress (its own message is READ
+      straight into its buffer), at most ``min(rndv_prefetch, 4 MiB)`` of the ones
+      behind it are read ahead. 0: nothing is staged, every READ waits for a receiver.
     """
 
     provider: str | None = None

@@ -176,10 +176,12 @@ async def test_recv_into_registered_buffer_is_zero_copy(opts: dict) -> None:
         await asyncio.wait_for(send, T)
 
 
-async def test_rendezvous_read_ahead_only_while_nobody_receives(opts: dict) -> None:
+async def test_rendezvous_read_ahead(opts: dict) -> None:
     """Large messages are read ahead into staging while the application does not
-    receive (the sender's send completes); while it receives, later ones wait and are
-    READ straight into its buffer (no staging copy)."""
+    receive (the sender's send completes, up to ``rndv_prefetch`` bytes); while it
+    receives, the waiting receiver's message is READ straight into its buffer and at
+    most ``min(rndv_prefetch, 4 MiB)`` of the ones behind it are read ahead meanwhile.
+    With ``rndv_prefetch=0`` nothing is staged: every READ lands in the caller's buffer."""
     big = [payload(300_000, i) for i in range(8)]
     async with pair(opts) as (ep, q):
         srv = await server_ep(q)
@@ -189,19 +191,29 @@ async def test_rendezvous_read_ahead_only_while_nobody_receives(opts: dict) -> N
         srv.register(buf)
         for m in big[:3]:
             assert await asyncio.wait_for(srv.recv_into(buf), T) == len(m) and buf == m
+        assert await asyncio.wait_for(_receive_while_sent(ep, srv, buf, big), T) == big
 
-        async def receive() -> list[bytes]:
-            out = []
-            for _ in big:
-                n = await srv.recv_into(buf)
-                out.append(bytes(buf[:n]))
-            return out
+    async with pair(opts, rndv_prefetch=0) as (ep, q):
+        srv = await server_ep(q)
+        buf = bytearray(300_000)
+        srv.register(buf)
+        assert await asyncio.wait_for(_receive_while_sent(ep, srv, buf, big), T) == big
+        assert srv.statistics()["rndv_staged"] == 0
 
-        receiver = asyncio.ensure_future(receive())
-        await asyncio.sleep(0.01)  # the receiver waits
-        await asyncio.wait_for(asyncio.gather(*(ep.send(m) for m in big)), T)
-        assert await asyncio.wait_for(receiver, T) == big
-        assert srv.statistics()["rndv_staged"] <= 3 + 1
+
+async def _receive_while_sent(ep: aiordma.Endpoint, srv: aiordma.Endpoint, buf: bytearray,
+                              msgs: list[bytes]) -> list[bytes]:
+    async def receive() -> list[bytes]:
+        out = []
+        for _ in msgs:
+            n = await srv.recv_into(buf)
+            out.append(bytes(buf[:n]))
+        return out
+
+    receiver = asyncio.ensure_future(receive())
+    await asyncio.sleep(0.01)  # the receiver waits
+    await asyncio.gather(*(ep.send(m) for m in msgs))
+    return await receiver
 
 
 async def test_max_message_size(opts: dict) -> None:
