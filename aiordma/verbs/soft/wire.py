@@ -63,7 +63,7 @@ from __future__ import annotations
 import struct
 
 MAGIC = b"AIOSOFT1"
-VERSION = 1
+VERSION = 2  # 2: the CMA probe and address-carrying READ/WRITE requests (cma.py)
 
 HELLO = struct.Struct("<8sHHII16s")
 HDR = struct.Struct("<BBHIIIIIQQQ")
