@@ -31,6 +31,7 @@ import itertools
 import logging
 import random
 import struct
+from collections.abc import Callable
 from typing import Any
 
 from .cq_reactor import CQReactor
@@ -336,17 +337,15 @@ class Endpoint:
         more (a frame to the dead QP would fail the endpoint and lose what is left to
         read), refuse new sends."""
         self._peer_gone = True
-        for q in (self._ctrlq, self._oneq, self._sendq):
-            while q:
-                op = q.popleft()
-                if op.kind == _RNDV:
-                    self._release_source(op.payload)
-                if op.fut is not None and not op.fut.done():
-                    op.fut.set_exception(ConnectionClosed("the peer closed the connection"))
+
+        def gone() -> ConnectionClosed:
+            return ConnectionClosed("the peer closed the connection")
+
+        self._fail_queued(gone)
         in_sq = {id(op) for _w, op in self._sq._q}
         for msg_id, op in list(self._rndv_out.items()):
             if op.fut is not None and not op.fut.done():
-                op.fut.set_exception(ConnectionClosed("the peer closed the connection"))
+                op.fut.set_exception(gone())
             if id(op) not in in_sq:  # else its completion (or teardown) releases it
                 del self._rndv_out[msg_id]
                 self._release_source(op.payload)
@@ -354,7 +353,7 @@ class Endpoint:
         if eof is not None and self._eof_queued and not eof.done():
             # Our CLOSE is posted but the peer's QP is gone: no ACK will come (rxe
             # retransmits into the void), so neither close() nor send_eof() waits for it.
-            eof.set_exception(ConnectionClosed("the peer closed the connection"))
+            eof.set_exception(gone())
         if self._closing is not None:
             self._wake_closer()  # for the same reason, posted sends will not complete
 
@@ -605,23 +604,14 @@ class Endpoint:
                 rx.read_fut = None  # landed in a cancelled caller's buffer: read again
         if rx.read_fut is None:
             fut = self._start_rndv_read(rx, span)
-            if self._deferred:
-                self._read_ahead_busy()
+            # While it lands in the caller's buffer, read the next few messages (up to
+            # min(rndv_prefetch, 4 MiB)) into staging, so the READs overlap the
+            # application's work instead of one READ per receive call. (Measured, soft
+            # with CMA, send_bw 1 MiB, 4 same-run pairs: 2.2-3.0 GB/s without, 3.2-4.4
+            # with; the next receive copies from staging at memcpy speed.)
+            self._read_ahead(self._busy_ahead)
             await _uncancelled(fut)
         return rx.staging
-
-    def _read_ahead_busy(self) -> None:
-        """A receive READs its message straight into the caller's buffer: read the next
-        few messages (up to ``min(rndv_prefetch, 4 MiB)``) into staging meanwhile, so
-        the READs overlap the application's work instead of one READ per receive call.
-        (Measured, soft with CMA, send_bw 1 MiB, 4 same-run pairs: 2.2-3.0 GB/s
-        without, 3.2-4.4 with; the next receive copies from staging at memcpy speed.)"""
-        limit = self._busy_ahead
-        for r in self._rx:
-            if r.deferred and r.read_fut is None:
-                if self._prefetched + r.length > limit:
-                    return
-                self._start_rndv_read(r, None)
 
     def _schedule_prefetch(self) -> None:
         """No receive is in progress: read ahead the rendezvous messages that arrived
@@ -635,11 +625,16 @@ class Endpoint:
         self._prefetch_scheduled = False
         if self._receivers or self._failed or self._peer_gone:
             return
+        self._read_ahead(self._opts.rndv_prefetch)
+
+    def _read_ahead(self, limit: int) -> None:
+        """READ the deferred rendezvous messages into staging, in order, while the
+        staged bytes stay within ``limit``."""
         for rx in self._rx:
             if not self._deferred:
                 return
             if rx.deferred and rx.read_fut is None:
-                if self._prefetched + rx.length > self._opts.rndv_prefetch:
+                if self._prefetched + rx.length > limit:
                     return
                 self._start_rndv_read(rx, None)
 
@@ -1189,15 +1184,14 @@ class Endpoint:
             self._repost(slot)
             if self._rx_waiters:
                 self._wake(self._rx_waiters)  # the waiting receiver picks the destination
-            elif (not self._receivers
-                  and self._prefetched + rx.length <= self._opts.rndv_prefetch):
-                self._start_rndv_read(rx, None)  # buffer it now, like a TCP receive buffer
-            elif self._receivers and self._prefetched + rx.length <= self._busy_ahead:
-                self._start_rndv_read(rx, None)  # keep the link busy (_read_ahead_busy)
+            elif self._prefetched + rx.length <= (self._busy_ahead if self._receivers
+                                                  else self._opts.rndv_prefetch):
+                # buffer it now, like a TCP receive buffer (while a receive is in
+                # progress, within the smaller budget that keeps the link busy)
+                self._start_rndv_read(rx, None)
             else:
                 # the read-ahead budget is spent: a receiver READs it straight into its
-                # buffer, or it is read ahead once there is room (_read_ahead_busy,
-                # _schedule_prefetch)
+                # buffer, or it is read ahead once there is room (_read_ahead)
                 rx.deferred = True
                 self._deferred += 1
         elif ftype == FrameType.RNDV_DONE:
@@ -1321,6 +1315,17 @@ class Endpoint:
     def _ops_pending(self) -> bool:
         return bool(self._sq.used or self._sendq or self._oneq or self._ctrlq or self._rndv_out)
 
+    def _fail_queued(self, error: Callable[[], BaseException]) -> None:
+        """Drop every operation not posted yet (control, one-sided and send queues):
+        release its rendezvous source and fail its future with ``error()``."""
+        for q in (self._ctrlq, self._oneq, self._sendq):
+            while q:
+                op = q.popleft()
+                if op.kind == _RNDV:
+                    self._release_source(op.payload)
+                if op.fut is not None and not op.fut.done():
+                    op.fut.set_exception(error())
+
     def _fail(self, exc: BaseException) -> None:
         """The single failure path: record the first error, QP to ERR, fail every waiter.
 
@@ -1339,13 +1344,7 @@ class Endpoint:
         except RDMAError:
             pass
         err = self._closed_error()
-        for q in (self._ctrlq, self._oneq, self._sendq):
-            while q:
-                op = q.popleft()
-                if op.kind == _RNDV:
-                    self._release_source(op.payload)
-                if op.fut is not None and not op.fut.done():
-                    op.fut.set_exception(err)
+        self._fail_queued(lambda: err)
         for op in self._posted_ops():
             if op.fut is not None and not op.fut.done():
                 op.fut.set_exception(self._closed_error())
