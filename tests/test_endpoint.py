@@ -8,50 +8,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import random
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
+from _pairs import HOST, T, pair
 
 import aiordma
 from aiordma.options import EndpointOptions
 
 pytestmark = pytest.mark.usefixtures("soft_cma")  # soft: with and without CMA
-HOST = os.environ.get("AIORDMA_TEST_IP", "127.0.0.1")
-T = 20.0  # bound for every await in these tests
 
 
 @pytest.fixture
 def opts(provider_name: str) -> dict:
     return {"provider": provider_name}
-
-
-@contextlib.asynccontextmanager
-async def pair(opts: dict, handler: Callable[[aiordma.Endpoint], Awaitable[None]] | None = None,
-               **extra: object) -> AsyncIterator[tuple[aiordma.Endpoint, asyncio.Queue]]:
-    """(client endpoint, queue that receives the server endpoint). The server's
-    handler waits until the test is done unless ``handler`` is given."""
-    q: asyncio.Queue[aiordma.Endpoint] = asyncio.Queue()
-    done = asyncio.Event()
-
-    async def default(ep: aiordma.Endpoint) -> None:
-        await q.put(ep)
-        await done.wait()
-
-    listener = await aiordma.listen(handler or default, HOST, 0, **opts, **extra)
-    try:
-        ep = await aiordma.connect(HOST, listener.port, timeout=T, **opts, **extra)
-        try:
-            yield ep, q
-        finally:
-            done.set()
-            ep.abort()
-            await asyncio.wait_for(ep.wait_closed(), T)
-    finally:
-        listener.close()
-        await asyncio.wait_for(listener.wait_closed(), T)
 
 
 async def server_ep(q: asyncio.Queue) -> aiordma.Endpoint:

@@ -8,35 +8,18 @@ import os
 from collections.abc import AsyncIterator
 
 import pytest
+from _pairs import T
+from _pairs import pair as endpoint_pair
 
 import aiordma
-
-HOST = os.environ.get("AIORDMA_TEST_IP", "127.0.0.1")
-T = 20.0
 
 
 @contextlib.asynccontextmanager
 async def pair(provider: str, **extra: object) -> AsyncIterator[tuple[aiordma.Endpoint,
                                                                       aiordma.Endpoint]]:
-    q: asyncio.Queue[aiordma.Endpoint] = asyncio.Queue()
-    done = asyncio.Event()
-
-    async def handler(ep: aiordma.Endpoint) -> None:
-        await q.put(ep)
-        await done.wait()
-
-    listener = await aiordma.listen(handler, HOST, 0, provider=provider, **extra)
-    try:
-        ep = await aiordma.connect(HOST, listener.port, timeout=T, provider=provider, **extra)
-        try:
-            yield ep, await asyncio.wait_for(q.get(), T)
-        finally:
-            done.set()
-            ep.abort()
-            await asyncio.wait_for(ep.wait_closed(), T)
-    finally:
-        listener.close()
-        await asyncio.wait_for(listener.wait_closed(), T)
+    """(client endpoint, server endpoint): ``_pairs.pair`` with the server's end."""
+    async with endpoint_pair({"provider": provider}, **extra) as (ep, q):
+        yield ep, await asyncio.wait_for(q.get(), T)
 
 
 async def test_send_eof_after_pending_sends_then_peer_still_sends_back(provider_name: str) -> None:
