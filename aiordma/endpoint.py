@@ -238,7 +238,7 @@ class Endpoint:
         self._repost_q: list[int] = []  # consumed receive buffers not re-posted yet
         self._receivers = 0  # recv/recv_into calls in progress (the fast path needs none)
         self._in_tick = False  # the post fast path was used (see _kick)
-        self._repost_scheduled = False
+        self._repost_batch = 1  # from the credit state once connected (rule 6)
         self._pump_scheduled = False
         self._first_error: BaseException | None = None
         self._failed = False
@@ -296,7 +296,9 @@ class Endpoint:
                                               sgid_index=self._gid_index, port_num=1)))
         self._qp.modify(QPAttr(QPState.RTS, sq_psn=self._psn, timeout=14, retry_cnt=7,
                                rnr_retry=7, max_rd_atomic=16))
-        self._credits = CreditState(peer.recv_credits, self._recv_depth)
+        self._credits = CreditState(peer.recv_credits, self._recv_depth,
+                                    repost_batch=self._opts.repost_batch)
+        self._repost_batch = self._credits.repost_batch
 
     def start(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """Begin watching the out-of-band TCP connection: its EOF means the peer is gone."""
@@ -862,10 +864,6 @@ class Endpoint:
         credits = self._credits
         if credits is None:
             return
-        if self._repost_q:
-            self._flush_reposts()  # the credits ride on what we post now
-            if self._failed:
-                return
         batch: list[_Op] = []
         room = self._sq.room
         spool = self._spool
@@ -1239,24 +1237,17 @@ class Endpoint:
     def _repost(self, slot: int) -> None:
         """Give a consumed receive buffer back to the peer (one more credit owed).
 
-        When nothing else waits to be received, post it now (with whatever else is
-        pending). While a burst is consumed, the buffers are posted together: at the
-        end of the burst, at the end of the loop iteration, or before our next send,
-        whichever comes first, so the credit still rides on it.
+        Buffers are posted ``repost_batch`` at a time, with one post for all of them;
+        fewer wait at any time (credits rule 6: so few that the peer can never be left
+        without credit because of them).
         """
         if self._failed or self._done.done():
             self._rpool.release(slot)
             return
-        self._repost_q.append(slot)
-        if not self._rx:
+        q = self._repost_q
+        q.append(slot)
+        if len(q) >= self._repost_batch:
             self._flush_reposts()
-        elif not self._repost_scheduled:
-            self._repost_scheduled = True
-            self._loop.call_soon(self._repost_soon)
-
-    def _repost_soon(self) -> None:
-        self._repost_scheduled = False
-        self._flush_reposts()
 
     def _flush_reposts(self) -> None:
         slots = self._repost_q

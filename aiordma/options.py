@@ -19,6 +19,8 @@ class EndpointOptions:
     * ``eager_size``: receive buffer size; larger messages go by rendezvous (RDMA READ).
     * ``max_message_size``: largest message ``send``/``recv`` accept (default 256 MiB).
     * ``signal_interval``: at most this many unsignaled sends in a row.
+    * ``repost_batch``: consumed receive buffers are re-posted this many at a time (one
+      post for all; fewer when ``recv_depth`` is small, see protocol.credits rule 6).
     * ``inline_threshold``: frames up to this size are posted inline (device limit too).
     * ``handshake_timeout``: seconds for each step of connection setup.
     * ``poll_mode``/``spin_us``: completion polling policy (see cq_reactor).
@@ -39,6 +41,7 @@ class EndpointOptions:
     eager_size: int = 16 * KiB
     max_message_size: int = 256 * MiB
     signal_interval: int = 16
+    repost_batch: int = 16
     inline_threshold: int = 128
     handshake_timeout: float = 10.0
     poll_mode: str | None = None
@@ -70,6 +73,8 @@ class EndpointOptions:
             raise ValueError("max_message_size must be in [eager_size, 2**40]")
         if self.signal_interval < 1:
             raise ValueError("signal_interval must be >= 1")
+        if self.repost_batch < 1:
+            raise ValueError("repost_batch must be >= 1")
         if self.max_wr_size is not None and self.max_wr_size < 4 * KiB:
             raise ValueError("max_wr_size must be >= 4 KiB")
         if self.rndv_prefetch < 0:

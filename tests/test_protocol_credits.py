@@ -140,7 +140,21 @@ def test_repr() -> None:
     cs = CreditState(4, 8)
     cs.consume()
     assert repr(cs) == ("<CreditState peer_credits=3/4 held_for_close=1 reserve=1 owed=0 "
-                        "local_slots=8 threshold=4>")
+                        "local_slots=8 threshold=4 repost_batch=1>")
+
+
+@pytest.mark.parametrize(("local", "reserve", "asked", "batch"), [
+    (64, 1, 16, 16), (64, 1, 100, 31), (8, 1, 16, 3), (5, 1, 16, 2), (4, 1, 16, 1),
+    (64, 3, 40, 29), (64, 1, 1, 1),
+])
+def test_repost_batch_is_clamped_by_rule_6(local: int, reserve: int, asked: int,
+                                           batch: int) -> None:
+    assert CreditState(64, local, reserve=reserve, repost_batch=asked).repost_batch == batch
+
+
+def test_repost_batch_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="repost_batch must be >= 1, got 0"):
+        CreditState(8, 8, repost_batch=0)
 
 
 # -- two-peer simulation -------------------------------------------------------------------
@@ -156,6 +170,7 @@ class Peer:
     slots: int  # receive buffers posted for the peer, in all
     posted: int  # of which currently posted (free)
     held: int = 0  # DATA frames received, buffer not yet released by the user
+    waiting: int = 0  # buffers released, waiting to be re-posted together (rule 6)
     to_send: int = 0  # application messages queued
     ctrl_to_send: int = 0  # control frames (RNDV_DONE-like) queued
     received: int = 0  # application messages consumed by the user
@@ -167,12 +182,16 @@ class Peer:
 class Sim:
     """Two peers and two FIFO wires. Every frame consumes one posted receive buffer at
     its destination; DATA buffers are re-posted when the user consumes, control frames'
-    at once. Explicit CREDIT frames are sent by the endpoint whenever due."""
+    at once; both wait until ``repost_batch`` of them can be re-posted together. Explicit
+    CREDIT frames are sent by the endpoint whenever due."""
 
-    def __init__(self, slots_a: int, slots_b: int, n_a: int, n_b: int, cs_type: type) -> None:
+    def __init__(self, slots_a: int, slots_b: int, n_a: int, n_b: int, cs_type: type,
+                 repost_batch: int = 1) -> None:
         self.peers = [
-            Peer(cs_type(slots_b, slots_a), slots_a, slots_a, to_send=n_a),
-            Peer(cs_type(slots_a, slots_b), slots_b, slots_b, to_send=n_b),
+            Peer(cs_type(slots_b, slots_a, repost_batch=repost_batch), slots_a, slots_a,
+                 to_send=n_a),
+            Peer(cs_type(slots_a, slots_b, repost_batch=repost_batch), slots_b, slots_b,
+                 to_send=n_b),
         ]
         self.wires: list[deque[tuple[str, int]]] = [deque(), deque()]  # wires[i]: i -> 1-i
         self.n = (n_a, n_b)
@@ -219,19 +238,26 @@ class Sim:
         if kind == DATA:
             dst.held += 1
         else:
-            dst.posted += 1
-            dst.cs.on_reposted()
+            self._release(dst)
         self.credit_check(1 - i)
         return True
+
+    @staticmethod
+    def _release(p: Peer) -> None:
+        """A buffer is free: it waits, and the batch is re-posted once it is full."""
+        p.waiting += 1
+        if p.waiting >= p.cs.repost_batch:
+            p.posted += p.waiting
+            p.cs.on_reposted(p.waiting)
+            p.waiting = 0
 
     def consume(self, i: int) -> bool:
         p = self.peers[i]
         if not p.held:
             return False
         p.held -= 1
-        p.posted += 1
         p.received += 1
-        p.cs.on_reposted()
+        self._release(p)
         self.credit_check(i)
         return True
 
@@ -251,9 +277,11 @@ class Sim:
         for i in (0, 1):
             src, dst = self.peers[i], self.peers[1 - i]
             returning = sum(c for _, c in self.wires[1 - i])
-            tokens = src.cs.peer_credits + len(self.wires[i]) + dst.held + dst.cs.owed + returning
+            tokens = (src.cs.peer_credits + len(self.wires[i]) + dst.held + dst.waiting
+                      + dst.cs.owed + returning)
             assert tokens == dst.slots, f"credit conservation broken: {self}"
-            assert dst.posted == dst.slots - dst.held
+            assert dst.posted == dst.slots - dst.held - dst.waiting
+            assert dst.waiting < dst.cs.repost_batch
 
     def step(self, action: str, i: int) -> bool:
         progressed: bool = getattr(self, action)(i)
@@ -291,8 +319,9 @@ schedules = st.lists(
 Schedule = list[tuple[str, int, int]]
 
 
-def _run(slots_a: int, slots_b: int, n_a: int, n_b: int, schedule: Schedule) -> Sim:
-    sim = Sim(slots_a, slots_b, n_a, n_b, CreditState)
+def _run(slots_a: int, slots_b: int, n_a: int, n_b: int, schedule: Schedule,
+         repost_batch: int = 1) -> Sim:
+    sim = Sim(slots_a, slots_b, n_a, n_b, CreditState, repost_batch)
     ctrl_budget = 20
     for action, i, repeat in schedule:
         for _ in range(repeat):
@@ -306,16 +335,17 @@ def _run(slots_a: int, slots_b: int, n_a: int, n_b: int, schedule: Schedule) -> 
 
 @settings(max_examples=300, deadline=None)
 @given(
-    slots_a=st.integers(4, 12),
-    slots_b=st.integers(4, 12),
+    slots_a=st.integers(4, 24),
+    slots_b=st.integers(4, 24),
     n_a=st.integers(0, 40),
     n_b=st.integers(0, 40),
     schedule=schedules,
+    repost_batch=st.sampled_from([1, 2, 4, 16]),
 )
 def test_simulation_safe_live_and_quiet(
-    slots_a: int, slots_b: int, n_a: int, n_b: int, schedule: Schedule
+    slots_a: int, slots_b: int, n_a: int, n_b: int, schedule: Schedule, repost_batch: int
 ) -> None:
-    sim = _run(slots_a, slots_b, n_a, n_b, schedule)
+    sim = _run(slots_a, slots_b, n_a, n_b, schedule, repost_batch)
     # (b) liveness: users consume everything, the scheduler keeps delivering.
     sim.drain(max_rounds=4 * (n_a + n_b) + 50)
     a, b = sim.peers
@@ -338,11 +368,12 @@ def test_simulation_safe_live_and_quiet(
 
 
 @settings(max_examples=100, deadline=None)
-@given(slots_a=st.integers(4, 12), slots_b=st.integers(4, 12), schedule=schedules)
+@given(slots_a=st.integers(4, 24), slots_b=st.integers(4, 24), schedule=schedules,
+       repost_batch=st.sampled_from([1, 16]))
 def test_simulation_without_application_traffic_quiesces(
-    slots_a: int, slots_b: int, schedule: Schedule
+    slots_a: int, slots_b: int, schedule: Schedule, repost_batch: int
 ) -> None:
-    sim = _run(slots_a, slots_b, 0, 0, schedule)
+    sim = _run(slots_a, slots_b, 0, 0, schedule, repost_batch)
     ctrl = sum(p.frames_sent[CTRL] + p.ctrl_to_send + p.frames_sent[CLOSE] + (p.close == 1)
                for p in sim.peers)
     sim.drain(max_rounds=2 * ctrl + 10)
@@ -392,6 +423,34 @@ def test_reserve_rule_survives_the_same_schedule() -> None:
     sim = _both_spend_last_credit_on_control(CreditState)
     sim.drain(max_rounds=50)
     assert all(p.to_send == p.ctrl_to_send == 0 and p.received == 4 for p in sim.peers)
+
+
+class UnclampedBatch(CreditState):
+    """Re-posts only when every buffer waits: more than rule 6 allows."""
+
+    @property
+    def repost_batch(self) -> int:
+        return 8
+
+
+def _one_way_stream(cs_type: type) -> Sim:
+    sim = Sim(8, 8, 20, 0, cs_type, repost_batch=8)
+    sim.drain(max_rounds=100)
+    return sim
+
+
+def test_unclamped_repost_batch_deadlocks() -> None:
+    """Shows why rule 6 bounds the batch: B consumed everything A could send, but its
+    buffers wait for a batch that cannot fill, so A never gets credit back."""
+    sim = _one_way_stream(UnclampedBatch)
+    a, b = sim.peers
+    assert a.to_send > 0 and b.waiting == b.received and b.cs.owed == 0  # stuck
+
+
+def test_clamped_repost_batch_survives_the_same_stream() -> None:
+    sim = _one_way_stream(CreditState)
+    assert sim.peers[1].cs.repost_batch == 3
+    assert sim.peers[0].to_send == 0 and sim.peers[1].received == 20
 
 
 def test_paused_reader_never_traps_the_writers_close() -> None:

@@ -33,6 +33,15 @@ Rules, and why they cannot deadlock or storm:
 5. Every received CREDIT costs its receiver a buffer and so creates one owed credit, but a
    CREDIT needs ``threshold >= 2`` owed to be sent: each CREDIT frame pays for at most
    half of another, so an idle connection quiesces instead of ping-ponging.
+6. Consumed buffers may wait to be re-posted together, at most ``repost_batch - 1`` of
+   them at a time (re-posting one by one costs a post per message). Waiting buffers are
+   neither posted nor owed, so rule 4 is restated with them: with the wire drained and
+   both applications consuming, a peer blocked on data holds ``C <= reserve + 1``
+   credits, and ``local_slots = C + owed + waiting``, so
+   ``owed >= local_slots - reserve - 1 - (repost_batch - 1)``, which is ``>= threshold``
+   because ``repost_batch <= local_slots - reserve - threshold`` (clamped in
+   ``__init__``; 1, i.e. no waiting, when the slots are too few). At quiescence
+   ``owed < threshold``, so we still hold ``C > reserve + 1``: both sides can send.
 
 Rule 0 with rules 2 and 3 mean a paused reader holds a writer back without ever
 trapping the writer's CLOSE: the data already sent sits in the reader's posted
@@ -63,22 +72,29 @@ class CreditState:
         "_initial_peer",
         "_local_slots",
         "_owed",
+        "_repost_batch",
         "_reserve",
         "_threshold",
     )
 
-    def __init__(self, peer_credits: int, local_slots: int, *, reserve: int = 1) -> None:
+    def __init__(self, peer_credits: int, local_slots: int, *, reserve: int = 1,
+                 repost_batch: int = 1) -> None:
         """``peer_credits``: receive buffers the peer posted for us (its handshake);
         ``local_slots``: receive buffers we post for the peer; ``reserve``: credits kept
-        back from DATA/RNDV (one more is held for CLOSE, rule 0). Raises ``ValueError``
-        if ``local_slots < 4``, ``peer_credits < 4``, ``reserve < 1``, or the peer's
-        threshold could not be reached with ``reserve + 1`` credits held back (rule 4)."""
+        back from DATA/RNDV (one more is held for CLOSE, rule 0), the same on both sides;
+        ``repost_batch``: how many consumed buffers to re-post together at most (rule 6;
+        clamped to what ``local_slots`` allows, see ``repost_batch``). Raises
+        ``ValueError`` if ``local_slots < 4``, ``peer_credits < 4``, ``reserve < 1``,
+        ``repost_batch < 1``, or the peer's threshold could not be reached with
+        ``reserve + 1`` credits held back (rule 4)."""
         if local_slots < MIN_SLOTS:
             raise ValueError(f"local_slots must be >= {MIN_SLOTS}, got {local_slots}")
         if peer_credits < MIN_SLOTS:
             raise ValueError(f"peer_credits must be >= {MIN_SLOTS}, got {peer_credits}")
         if reserve < 1:
             raise ValueError(f"reserve must be >= 1, got {reserve}")
+        if repost_batch < 1:
+            raise ValueError(f"repost_batch must be >= 1, got {repost_batch}")
         if peer_credits - reserve - 1 < _threshold(peer_credits):
             raise ValueError(f"reserve {reserve} too large for {peer_credits} peer credits")
         self._peer_credits = peer_credits
@@ -88,6 +104,8 @@ class CreditState:
         self._owed = 0
         self._reserve = reserve
         self._threshold = _threshold(local_slots)
+        self._repost_batch = max(1, min(repost_batch,
+                                        local_slots - reserve - self._threshold))
 
     # -- sender side ---------------------------------------------------------------------
 
@@ -155,6 +173,12 @@ class CreditState:
         """``owed`` at which an explicit CREDIT frame is due: ``max(2, local_slots // 2)``."""
         return self._threshold
 
+    @property
+    def repost_batch(self) -> int:
+        """Re-post consumed buffers once this many wait (rule 6): fewer may wait, never
+        more. ``min(asked, local_slots - reserve - threshold)``, at least 1."""
+        return self._repost_batch
+
     def on_reposted(self, n: int = 1) -> None:
         """We re-posted ``n`` receive buffers; we now owe the peer ``n`` more credits.
         Raises ``LocalProtocolError`` if that would exceed ``local_slots``."""
@@ -180,7 +204,8 @@ class CreditState:
         return (
             f"<CreditState peer_credits={self._peer_credits}/{self._initial_peer} "
             f"held_for_close={self._held} reserve={self._reserve} owed={self._owed} "
-            f"local_slots={self._local_slots} threshold={self._threshold}>"
+            f"local_slots={self._local_slots} threshold={self._threshold} "
+            f"repost_batch={self._repost_batch}>"
         )
 
 
