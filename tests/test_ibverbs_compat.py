@@ -935,6 +935,37 @@ def test_post_send_builds_one_chain(fake: Any) -> None:
     assert len(qp._queues.sq) == 3
 
 
+def test_one_sge_receives_are_posted_through_cached_wrs(fake: Any) -> None:
+    """A batch of one-SGE receives (the endpoint re-posts its buffers in batches) costs
+    no new pyverbs objects once each buffer has its WR: one post per cached WR."""
+    ctx, pd, ch, cq, rcq, qp = _qp_setup(fake)
+    _to_rts(qp)
+    bufs = [SGE(0x3000 + 64 * i, 64, 5) for i in range(3)]
+    qp.post_recv([RecvWR(10 + i, [b]) for i, b in enumerate(bufs)])
+    assert [[(w.wr_id, w.sg) for w in chain] for chain in qp._qp.recvs] == [
+        [(10 + i, [(b.addr, 64, 5)])] for i, b in enumerate(bufs)]
+    first = [chain[0] for chain in qp._qp.recvs]
+    assert len(set(map(id, first))) == 3 and list(qp._queues.rq) == [10, 11, 12]
+    qp._queues.rq.clear()  # (their completions)
+    qp._qp.recvs.clear()
+    seen: list[int] = []
+    real_post = qp._qp.post_recv
+
+    def post_then_refuse(head: Any) -> None:
+        if len(seen) == 2:
+            raise FakePyverbsError("Failed to post recv", errno.ENOMEM)
+        seen.append(head.wr_id)
+        real_post(head)
+
+    qp._qp.post_recv = post_then_refuse
+    with pytest.raises(PostError) as ei:
+        qp.post_recv([RecvWR(20 + i, [b]) for i, b in enumerate(reversed(bufs))])
+    assert ei.value.errno == errno.ENOMEM
+    # the same objects again, and the two posted before the refusal are recorded
+    assert [chain[0] for chain in qp._qp.recvs] == first[::-1][:2]
+    assert seen == [20, 21] and list(qp._queues.rq) == [20, 21]
+
+
 def test_refusals_leave_nothing_posted(fake: Any) -> None:
     ctx, pd, ch, cq, rcq, qp = _qp_setup(fake)
     _to_rts(qp)

@@ -1042,8 +1042,8 @@ class IbvQP(QP):
 
     @staticmethod
     def _cache_put(cache: dict[tuple[int, int, int], Any], key: tuple[int, int, int],
-                   p: Any) -> None:
-        if len(cache) >= _WR_CACHE:
+                   p: Any, limit: int = _WR_CACHE) -> None:
+        if len(cache) >= limit:
             cache.pop(next(iter(cache))).close()  # the oldest
         cache[key] = p
 
@@ -1077,8 +1077,8 @@ class IbvQP(QP):
         return p
 
     def _one_recv(self, wr: RecvWR) -> Any:
-        """The pyverbs RecvWR for a single receive with one SGE, re-used like
-        ``_one_send``'s."""
+        """The pyverbs RecvWR for a receive with one SGE, re-used like ``_one_send``'s
+        (one per receive buffer: the cache holds as many as the receive queue)."""
         s = wr.sg_list[0]
         key = (s.addr, s.length, s.lkey)
         p = self._recv_wrs.get(key)
@@ -1089,9 +1089,24 @@ class IbvQP(QP):
                 p = pvwr.RecvWR(wr_id=0, num_sge=1, sg=[sge])
             finally:
                 sge.close()
-            self._cache_put(self._recv_wrs, key, p)
+            self._cache_put(self._recv_wrs, key, p, max(_WR_CACHE, self._queues.max_recv))
         p.wr_id = wr.wr_id & _M64
         return p
+
+    def _post_recv_cached(self, wrs: list[RecvWR]) -> None:
+        """Post one-SGE receives through their cached pyverbs WRs, one ibv_post_recv
+        each (cheaper than building a chain of new objects). Like a chained post that
+        fails at ``bad_wr``, the WRs before a failing one stay posted (and are recorded)."""
+        post = self._qp.post_recv
+        q = self._queues
+        for wr in wrs:
+            try:
+                post(self._one_recv(wr))
+            except self._pv.Error as exc:
+                raise PostError(compat.errno_of(exc), f"ibv_post_recv: {exc}") from None
+            except OverflowError as exc:
+                raise InvalidWorkRequest(f"a work request field is out of range: {exc}") from None
+            q.posted_recv((wr.wr_id & _M64,))
 
     def post_recv(self, wrs: list[RecvWR]) -> None:
         st = self._state
@@ -1114,6 +1129,11 @@ class IbvQP(QP):
         sges: list[Any] = []
         built: list[Any] = []
         head: Any = None
+        if all(len(wr.sg_list) == 1 for wr in wrs):
+            self._post_recv_cached(wrs)
+            if st == QPState.ERR:
+                self._flush_posted()
+            return
         try:
             if n == 1 and len(wrs[0].sg_list) == 1:
                 head = self._one_recv(wrs[0])
