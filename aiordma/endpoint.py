@@ -324,7 +324,7 @@ class Endpoint:
             # Work already posted ends with its own completion shortly (the peer's QP is
             # in ERR or gone): give it a moment so callers see the precise error.
             deadline = self._loop.time() + _GRACE_S
-            while self._sq.used and not self._failed and self._loop.time() < deadline:
+            while self._sq.awaited and not self._failed and self._loop.time() < deadline:
                 await asyncio.sleep(0.005)
             self._fail(ConnectionClosed("peer closed the connection"))
         else:
@@ -994,9 +994,22 @@ class Endpoint:
         op.wr = self._frame_wr(op, n)
 
     def _post_batch(self, batch: list[_Op]) -> None:
+        """Post ``batch`` in one call. Signaled: the last op somebody waits for (every
+        op before it completes with it), plus what ``SendQueue.push`` asks for. Frames
+        nobody waits for (RNDV, whose sender waits for RNDV_DONE; CREDIT; RNDV_DONE) go
+        unsignaled after it, until our CLOSE: a later signaled WR (CLOSE at the latest,
+        which close() waits for) retires them, and a failed one completes anyway."""
         reactor = self._reactor
         wrs: list[SendWR] = []
         last = len(batch) - 1
+        credits = self._credits
+        if credits is not None and not credits.close_sent:
+            while last >= 0:
+                op = batch[last]
+                if op.kind == _RNDV or (op.kind == _CTRL and op.payload[0] != FrameType.CLOSE):
+                    last -= 1
+                else:
+                    break
         for i, op in enumerate(batch):
             wr = op.wr
             assert wr is not None
@@ -1304,7 +1317,7 @@ class Endpoint:
         return ConnectionClosed("endpoint is closed")
 
     def _ops_pending(self) -> bool:
-        return bool(self._sq.used or self._sendq or self._oneq or self._ctrlq or self._rndv_out)
+        return bool(self._sq.awaited or self._sendq or self._oneq or self._ctrlq or self._rndv_out)
 
     def _fail_queued(self, error: Callable[[], BaseException]) -> None:
         """Drop every operation not posted yet (control, one-sided and send queues):
@@ -1364,7 +1377,10 @@ class Endpoint:
         return out
 
     def _check_drained(self) -> None:
-        if self._failed and not self._sq.used and not self._posted_recvs and not self._drained.done():
+        # (unsignaled WRs after the last signaled one may never complete: the QP is
+        # destroyed before their buffers are freed, see _destroy_now)
+        if (self._failed and not self._sq.awaited and not self._posted_recvs
+                and not self._drained.done()):
             self._drained.set_result(None)
 
     def _wake_closer(self) -> None:

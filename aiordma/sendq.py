@@ -17,7 +17,7 @@ from typing import Any
 class SendQueue:
     """In-order record of posted send WRs: (wr_id, op) pairs."""
 
-    __slots__ = ("depth", "signal_interval", "_q", "_since_signal")
+    __slots__ = ("depth", "signal_interval", "_q", "_since_signal", "_last_signaled")
 
     def __init__(self, depth: int, signal_interval: int = 16) -> None:
         if depth < 1 or signal_interval < 1:
@@ -26,21 +26,32 @@ class SendQueue:
         self.signal_interval = min(signal_interval, depth)
         self._q: deque[tuple[int, Any]] = deque()
         self._since_signal = 0
+        self._last_signaled = -1
 
     @property
     def used(self) -> int:
         return len(self._q)
 
     @property
+    def awaited(self) -> bool:
+        """True while a signaled WR is outstanding. The unsignaled WRs after the last
+        signaled one may have finished without a completion, and only a later signaled
+        WR (or their own error) retires them: nobody can wait for them."""
+        q = self._q
+        return bool(q) and q[0][0] <= self._last_signaled
+
+    @property
     def room(self) -> int:
         return self.depth - len(self._q)
 
     def push(self, wr_id: int, op: Any, *, last_in_batch: bool) -> bool:
-        """Record a WR about to be posted; returns whether to signal it.
+        """Record a WR about to be posted (``wr_id`` larger than any before); returns
+        whether to signal it.
 
-        Signaled: the last WR of each posted batch (so every WR is followed by a signaled
-        one and each await finishes), every ``signal_interval``-th WR, and any WR that
-        fills the queue. Raises OverflowError when the queue is full (caller bug).
+        Signaled: ``last_in_batch`` (the caller passes it for the last WR of a batch that
+        somebody waits for, so each await finishes), every ``signal_interval``-th WR, and
+        any WR that fills the queue. Raises OverflowError when the queue is full (caller
+        bug).
         """
         if len(self._q) >= self.depth:
             raise OverflowError("send queue full")
@@ -50,6 +61,7 @@ class SendQueue:
                   or len(self._q) == self.depth)
         if signal:
             self._since_signal = 0
+            self._last_signaled = wr_id
         return signal
 
     def complete(self, wr_id: int) -> list[tuple[int, Any]]:

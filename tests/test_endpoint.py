@@ -478,6 +478,33 @@ async def test_graceful_close_delivers_everything_then_eof(opts: dict) -> None:
             await ep.send(b"x")
 
 
+async def test_frames_nobody_waits_for_are_unsignaled_and_never_hold_up_close(
+        opts: dict) -> None:
+    """A rendezvous send's RNDV frame (its sender waits for RNDV_DONE) and the RNDV_DONE
+    (nobody waits) are posted unsignaled, so each stays on its send queue until a later
+    signaled WR retires it. Neither close() nor the teardown after abort() may wait
+    for a completion that will never come."""
+    async with pair({**opts, "close_timeout": 5.0}) as (ep, q):
+        srv = await server_ep(q)
+        loop = asyncio.get_running_loop()
+        big = payload(1 << 20, 5)
+        recv = asyncio.ensure_future(srv.recv())
+        await asyncio.wait_for(ep.send(big), T)
+        assert await asyncio.wait_for(recv, T) == big
+        assert ep.statistics()["send_queue_used"] == 1  # the RNDV frame
+        assert srv.statistics()["send_queue_used"] == 1  # the RNDV_DONE frame
+        await asyncio.wait_for(ep.send(b"small"), T)  # signaled: retires the RNDV
+        assert ep.statistics()["send_queue_used"] == 0
+        assert await asyncio.wait_for(srv.recv(), T) == b"small"
+        await asyncio.wait_for(ep.send(big), T)
+        assert await asyncio.wait_for(srv.recv(), T) == big
+        t0 = loop.time()
+        await asyncio.wait_for(ep.close(), T)  # after an unsignaled RNDV
+        srv.abort()  # after an unsignaled RNDV_DONE
+        await asyncio.wait_for(srv.wait_closed(), T)
+        assert loop.time() - t0 < 4.0  # well under close_timeout
+
+
 async def test_abort_fails_pending_now_and_peer_notices(opts: dict) -> None:
     async with pair(opts) as (ep, q):
         srv = await server_ep(q)
