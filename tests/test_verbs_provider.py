@@ -828,6 +828,34 @@ def test_too_many_sges_is_valueerror(ctx: Context, res: Resources) -> None:
     expect_quiet(p.cq_a, 0.05)
 
 
+def test_malformed_wrs_are_the_one_invalidworkrequest_of_the_verbs_layer(
+        ctx: Context, res: Resources) -> None:
+    """Every provider refuses malformed WRs through the shared verbs-contract checks:
+    the same type (aiordma.verbs.InvalidWorkRequest, EINVAL) and the same message."""
+    from aiordma.verbs import InvalidWorkRequest
+
+    p = Pair(ctx, res, cap=QPCap(max_send_wr=4, max_recv_wr=4, max_send_sge=2, max_recv_sge=2))
+    ma, _ = p.mr("a", 64)
+    bad_sends = [
+        (send(1, [sge(ma, 0, 8)] * 3), "3 SGEs, the QP allows max_send_sge="),
+        (SendWR(1, WROpcode.ATOMIC_FETCH_AND_ADD, [sge(ma, 0, 4)]), "exactly one 8-byte SGE"),
+        (SendWR(1, WROpcode.ATOMIC_FETCH_AND_ADD, [sge(ma, 0, 8)], remote_addr=0x1004),
+         "0x1004 is not 8-byte aligned"),
+        (SendWR(1, WROpcode.RDMA_READ, [sge(ma, 0, 8)], send_flags=SendFlags.INLINE),
+         "INLINE is only valid"),
+        (SendWR(1, 99, [sge(ma, 0, 8)]), "unknown send opcode 99"),  # type: ignore[arg-type]
+    ]
+    for wr, match in bad_sends:
+        with pytest.raises(InvalidWorkRequest, match=match) as ei:
+            p.a.post_send([wr])
+        assert ei.value.errno == errno.EINVAL
+    with pytest.raises(InvalidWorkRequest, match="negative SGE length"):
+        p.a.post_recv([RecvWR(1, [SGE(ma.addr, -1, ma.lkey)])])
+    with pytest.raises(InvalidWorkRequest, match="3 SGEs, the QP allows max_recv_sge="):
+        p.a.post_recv([RecvWR(1, [sge(ma, 0, 8)] * 3)])
+    expect_quiet(p.cq_a, 0.05)
+
+
 def test_send_queue_full(ctx: Context, res: Resources) -> None:
     # no receive posted at b and rnr_retry=7: sends stay outstanding until b posts
     p = Pair(ctx, res, cap=QPCap(max_send_wr=4, max_recv_wr=8))

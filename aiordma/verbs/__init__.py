@@ -29,6 +29,7 @@ from .api import (
     QPAttr,
     QPCap,
 )
+from .contract import InvalidWorkRequest
 from .enums import (
     MTU,
     Access,
@@ -49,7 +50,7 @@ __all__ = [
     "DeviceInfo", "PortAttr", "PortInfo", "Provider", "QPAttr", "QPCap", "MTU", "Access",
     "EventType", "LinkLayer", "PortState", "QPState", "SendFlags", "WCFlags", "WCOpcode",
     "WCStatus", "WROpcode", "SGE", "WC", "RecvWR", "SendWR", "PROVIDERS", "get_provider",
-    "select_provider", "list_devices", "open_context",
+    "select_provider", "list_devices", "open_context", "InvalidWorkRequest",
 ]
 
 log = logging.getLogger("aiordma")

@@ -32,6 +32,14 @@ from ..api import (
     QPCap,
 )
 from ..buffers import PinnedBuffer
+from ..contract import ATOMIC_OPS as _ATOMIC_OPS
+from ..contract import (
+    InvalidWorkRequest,
+    check_cq_close,
+    check_mr_access,
+    check_recv_wrs,
+    check_send_wr,
+)
 from ..enums import (
     MTU,
     WC_OPCODE_FOR_WR,
@@ -59,8 +67,6 @@ _M32 = 0xFFFFFFFF
 _M64 = 0xFFFFFFFFFFFFFFFF
 _IMM_OPS = frozenset({WROpcode.SEND_WITH_IMM, WROpcode.RDMA_WRITE_WITH_IMM})
 _RDMA_OPS = frozenset({WROpcode.RDMA_WRITE, WROpcode.RDMA_WRITE_WITH_IMM, WROpcode.RDMA_READ})
-_ATOMIC_OPS = frozenset({WROpcode.ATOMIC_CMP_AND_SWP, WROpcode.ATOMIC_FETCH_AND_ADD})
-_RD_ATOMIC_OPS = _ATOMIC_OPS | {WROpcode.RDMA_READ}
 _QP_EVENTS = frozenset({
     EventType.QP_FATAL, EventType.QP_REQ_ERR, EventType.QP_ACCESS_ERR, EventType.COMM_EST,
     EventType.SQ_DRAINED, EventType.PATH_MIG, EventType.PATH_MIG_ERR,
@@ -76,13 +82,6 @@ _F_INLINE = int(SendFlags.INLINE)
 _F_SIGNALED = int(SendFlags.SIGNALED)
 # pyverbs work requests of single-WR, single-SGE posts kept per QP for reuse (IbvQP)
 _WR_CACHE = 64
-
-
-class InvalidWorkRequest(PostError, ValueError):
-    """A malformed work request (too many SGEs, bad atomic operand, inline too long)."""
-
-    def __init__(self, msg: str) -> None:
-        super().__init__(errno.EINVAL, msg)
 
 
 # ----------------------------------------------------------------------------------------
@@ -525,10 +524,7 @@ class IbvPD(PD):
     def reg_mr(self, buffer: Any, access: Access = Access.LOCAL_WRITE) -> IbvMR:
         if self._closed:
             raise RegistrationError(errno.EINVAL, "protection domain is closed")
-        access = Access(access)
-        if access & (Access.REMOTE_WRITE | Access.REMOTE_ATOMIC) and not access & Access.LOCAL_WRITE:
-            raise RegistrationError(
-                errno.EINVAL, "REMOTE_WRITE and REMOTE_ATOMIC require LOCAL_WRITE (ibv_reg_mr EINVAL)")
+        access = check_mr_access(access)
         pinned = PinnedBuffer(buffer)
         if pinned.length == 0:
             pinned.release()
@@ -794,13 +790,7 @@ class IbvCQ(CQ):
     def close(self) -> None:
         if self._closed:
             return
-        if self._qps:
-            raise RDMAError(errno.EBUSY, f"CQ still used by {len(self._qps)} QP(s)")
-        if self._events_acked < self._events_got:
-            raise RDMAError(
-                errno.EBUSY,
-                f"CQ has {self._events_got - self._events_acked} unacknowledged completion "
-                "event(s); ack_events() them first (ibv_destroy_cq would block)")
+        check_cq_close(len(self._qps), self._events_got, self._events_acked)
         # Events queued on the channel but not read yet do not block ibv_destroy_cq (the
         # kernel counts an event as reported when it is read, and drops unread ones).
         ch = self.channel
@@ -954,32 +944,7 @@ class IbvQP(QP):
 
     # --- posting -------------------------------------------------------------------------
     def _check_send(self, wr: SendWR) -> WROpcode:
-        try:
-            op = WROpcode(wr.opcode)
-        except ValueError:
-            raise InvalidWorkRequest(f"unknown send opcode {wr.opcode!r}") from None
-        sg = wr.sg_list
-        if len(sg) > self.cap.max_send_sge:
-            raise InvalidWorkRequest(
-                f"{len(sg)} SGEs, the QP allows max_send_sge={self.cap.max_send_sge}")
-        length = 0
-        for s in sg:
-            if s.length < 0:
-                raise InvalidWorkRequest("negative SGE length")
-            length += s.length
-        if op in _ATOMIC_OPS:
-            if len(sg) != 1 or sg[0].length != 8:
-                raise InvalidWorkRequest("an atomic WR needs exactly one 8-byte SGE")
-            if wr.remote_addr % 8:
-                raise InvalidWorkRequest(
-                    f"atomic remote address {wr.remote_addr:#x} is not 8-byte aligned")
-        if int(wr.send_flags) & _F_INLINE:
-            if op in _RD_ATOMIC_OPS:
-                raise InvalidWorkRequest("INLINE is only valid for SEND and RDMA_WRITE")
-            if length > self.cap.max_inline_data:
-                raise InvalidWorkRequest(
-                    f"inline data of {length} bytes, the QP allows {self.cap.max_inline_data}")
-        return op
+        return check_send_wr(wr, self.cap)[0]
 
     def post_send(self, wrs: list[SendWR]) -> None:
         st = self._state
@@ -1119,12 +1084,7 @@ class IbvQP(QP):
         if n > q.recv_room():
             raise PostError(errno.ENOMEM, f"receive queue full ({len(q.rq)} of {q.max_recv} "
                             f"in use, {n} more posted)")
-        for wr in wrs:
-            if len(wr.sg_list) > self.cap.max_recv_sge:
-                raise InvalidWorkRequest(
-                    f"{len(wr.sg_list)} SGEs, the QP allows max_recv_sge={self.cap.max_recv_sge}")
-            if any(s.length < 0 for s in wr.sg_list):
-                raise InvalidWorkRequest("negative SGE length")
+        check_recv_wrs(wrs, self.cap)
         pvwr = self._pv.wr
         sges: list[Any] = []
         built: list[Any] = []

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from ...errors import CQOverrunError, RDMAError
 from ..api import CQ, AsyncEvent, CompChannel
+from ..contract import check_cq_close
 from ..enums import EventType, WCStatus
 from ..wr import WC
 from .conn import OPEN
@@ -373,14 +374,7 @@ class SoftCQ(CQ):
         with self._lock:
             if self._closed:
                 return
-            if self._qps:
-                raise RDMAError(errno.EBUSY, f"CQ still used by {len(self._qps)} QP(s)")
-            if self._events_acked < self._events_got:
-                raise RDMAError(
-                    errno.EBUSY,
-                    f"CQ has {self._events_got - self._events_acked} unacknowledged "
-                    "completion event(s); ack_events() them first (verbs would block)",
-                )
+            check_cq_close(len(self._qps), self._events_got, self._events_acked)
             self._closed = True
             self._q.clear()
             if self.channel is not None:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from ...errors import RDMAError, RegistrationError
 from ..api import CQ, MR, PD, QPCap
 from ..buffers import PinnedBuffer
+from ..contract import check_mr_access
 from ..enums import Access
 
 if TYPE_CHECKING:
@@ -91,10 +92,7 @@ class SoftPD(PD):
     def reg_mr(self, buffer: Any, access: Access = Access.LOCAL_WRITE) -> SoftMR:
         if self._closed:
             raise RegistrationError(errno.EINVAL, "protection domain is closed")
-        access = Access(access)
-        if access & (Access.REMOTE_WRITE | Access.REMOTE_ATOMIC) and not access & Access.LOCAL_WRITE:
-            raise RegistrationError(
-                errno.EINVAL, "REMOTE_WRITE and REMOTE_ATOMIC require LOCAL_WRITE (ibv_reg_mr EINVAL)")
+        access = check_mr_access(access)
         mr = SoftMR(self, buffer, access)
         with self.context._engine.lock:
             self._mrs.add(mr)

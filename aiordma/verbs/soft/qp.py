@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from ...errors import PostError, RDMAError
 from ..api import QPAttr, QPCap
+from ..contract import check_recv_wrs, check_send_wr
 from ..enums import WC_OPCODE_FOR_WR, QPState, SendFlags, WCStatus, WROpcode
 from ..wr import SGE, RecvWR, SendWR
 from . import limits, wire
@@ -22,13 +23,6 @@ from .responder import Responder
 if TYPE_CHECKING:
     from .cq import SoftCQ
     from .mr import SoftPD
-
-
-class InvalidWorkRequest(PostError, ValueError):
-    """A malformed work request (too many SGEs, bad atomic operand, inline too long)."""
-
-    def __init__(self, msg: str) -> None:
-        super().__init__(errno.EINVAL, msg)
 
 
 _WIRE_OP = {
@@ -50,7 +44,6 @@ _FLAG_SOLICITED = wire.FLAG_SOLICITED
 _HDR_PACK = wire.HDR.pack
 _PSN_MASK = wire.PSN_MASK
 _M64 = 0xFFFFFFFFFFFFFFFF
-_ATOMIC = frozenset({wire.OP_CMP_SWP, wire.OP_FETCH_ADD})
 
 _LEGAL = {
     (QPState.RESET, QPState.INIT),
@@ -221,32 +214,13 @@ class SoftQP(Requester, Responder):
             self._pump()
 
     def _build(self, wr: SendWR) -> tuple[SWQE, SendWR]:
-        op = _WIRE_OP.get(wr.opcode)
-        if op is None:
-            raise InvalidWorkRequest(f"unknown send opcode {wr.opcode!r}")
+        wrop, length = check_send_wr(wr, self.cap)
+        op = _WIRE_OP[wrop]
         sg = wr.sg_list
-        if len(sg) > self.cap.max_send_sge:
-            raise InvalidWorkRequest(
-                f"{len(sg)} SGEs, the QP allows max_send_sge={self.cap.max_send_sge}")
-        length = 0
-        for s in sg:
-            if s.length < 0:
-                raise InvalidWorkRequest("negative SGE length")
-            length += s.length
         flags = int(wr.send_flags)
         inline = flags & _INLINE
-        if op in _ATOMIC and (len(sg) != 1 or sg[0].length != 8):
-            raise InvalidWorkRequest("an atomic WR needs exactly one 8-byte SGE")
-        if op in _ATOMIC and wr.remote_addr % 8:
-            # rdma-core (44 and 65) refuses this in ibv_post_send with EINVAL
-            raise InvalidWorkRequest(f"atomic remote_addr {wr.remote_addr:#x} is not 8-byte aligned")
-        if inline and op in _RD_ATOMIC:
-            raise InvalidWorkRequest("INLINE is only valid for SEND and RDMA_WRITE")
         error: WCStatus | None = None
         if inline:
-            if length > self.cap.max_inline_data:
-                raise InvalidWorkRequest(
-                    f"inline data of {length} bytes, the QP allows {self.cap.max_inline_data}")
             segs = [memoryview(self._copy_inline(sg))] if length else []
         else:
             views = self._resolve(sg, need_write=op in _RD_ATOMIC)
@@ -284,10 +258,7 @@ class SoftQP(Requester, Responder):
                 raise PostError(errno.ENOMEM,
                                 f"receive queue full ({len(self._rq)} of {self.cap.max_recv_wr} "
                                 f"in use, {len(wrs)} more posted)")
-            for wr in wrs:
-                if len(wr.sg_list) > self.cap.max_recv_sge:
-                    raise InvalidWorkRequest(
-                        f"{len(wr.sg_list)} SGEs, the QP allows max_recv_sge={self.cap.max_recv_sge}")
+            check_recv_wrs(wrs, self.cap)
             rwqes = [RWQE(wr.wr_id, list(wr.sg_list)) for wr in wrs]
             if st == QPState.ERR:
                 for r in rwqes:
