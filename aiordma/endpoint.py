@@ -115,9 +115,23 @@ async def _uncancelled(fut: asyncio.Future[Any], timeout: float | None = None) -
 
     Returns its result or raises its exception; TimeoutError after ``timeout``.
     """
-    await asyncio.wait((fut,), timeout=timeout)
     if not fut.done():
-        raise TimeoutError(f"not done after {timeout:g}s")
+        if timeout is not None:
+            await asyncio.wait((fut,), timeout=timeout)
+            if not fut.done():
+                raise TimeoutError(f"not done after {timeout:g}s")
+        else:  # asyncio.wait without its sets and timer (the rendezvous receive path)
+            waiter = fut.get_loop().create_future()
+
+            def wake(_f: asyncio.Future[Any]) -> None:
+                if not waiter.done():
+                    waiter.set_result(None)
+
+            fut.add_done_callback(wake)
+            try:
+                await waiter
+            finally:
+                fut.remove_done_callback(wake)
     return fut.result()
 
 
