@@ -99,6 +99,7 @@ _U64 = struct.Struct("<Q")
 # hot path: plain ints (flag-enum arithmetic builds a new enum object per operation)
 _SIGNALED = int(SendFlags.SIGNALED)
 _INLINE = int(SendFlags.INLINE)
+_REMOTE_READ = int(Access.REMOTE_READ)
 _SEND = WROpcode.SEND
 _MASK64 = (1 << 64) - 1
 
@@ -484,7 +485,7 @@ class Endpoint:
             span = None
         if span is not None and isinstance(span.keep, tuple):
             region = span.keep[1]
-            if region.access & Access.REMOTE_READ:
+            if int(region.access) & _REMOTE_READ:  # (no flag-enum arithmetic per send)
                 return span
         st = self._staging_out.lease(mv.nbytes)
         st.view[:] = mv
