@@ -210,6 +210,7 @@ class Endpoint:
         self._eager = opts.eager_size
         self._eager_payload = opts.eager_size - HEADER_SIZE
         self._closers: list[Any] = []  # what teardown destroys, in reverse order
+        self._staging_registered = 0  # registrations by staging caches already closed
         self._pd = ctx.alloc_pd()
         try:
             entries = self._send_depth + self._recv_depth
@@ -393,8 +394,12 @@ class Endpoint:
                 f"{self.peer_qp_num} {state} peer={self.peer_address}>")
 
     def statistics(self) -> dict[str, Any]:
-        """Counters and queue levels of this endpoint."""
+        """Counters and queue levels of this endpoint (also after it is closed: the
+        counters keep their last values)."""
         c = self._credits
+        staging = [self.__dict__.get(name) for name in ("_staging_in", "_staging_out")]
+        registered = self._staging_registered + sum(st.registrations for st in staging
+                                                    if st is not None)
         return {
             "messages_sent": self.messages_sent,
             "messages_batched": self.messages_batched,
@@ -408,8 +413,7 @@ class Endpoint:
             "owed_credits": c.owed if c else 0,
             "posted_recvs": self._posted_recvs,
             "rx_queued": len(self._rx),
-            "staging_registrations": (self._staging_in.registrations
-                                      + self._staging_out.registrations),
+            "staging_registrations": registered,
             "work_requests_posted": self.work_requests_posted,
         }
 
@@ -1362,6 +1366,7 @@ class Endpoint:
             self._qp.modify(QPAttr(QPState.ERR))
         except RDMAError:
             pass
+        self._post_flush_marker()
         err = self._closed_error()
         self._fail_queued(lambda: err)
         for op in self._posted_ops():
@@ -1380,6 +1385,24 @@ class Endpoint:
             self._control.close()
         self._start_teardown()
         self._check_drained()
+
+    def _post_flush_marker(self) -> None:
+        """The QP is in ERR. Unsignaled WRs after the last signaled one (frames nobody
+        waits for) may have finished without a completion: a signaled zero-length SEND
+        posted now is flushed after every one of them, so its completion retires them
+        and the drain waits for exactly that (RELIABILITY.md: the marker WR)."""
+        sq = self._sq
+        if not sq.used or sq.awaited or not sq.room:
+            return
+        reactor = self._reactor
+        wr = SendWR(reactor.register(self._on_send_wc, None), _SEND, [], _SIGNALED)
+        try:
+            self._qp.post_send([wr])
+        except RDMAError:  # the QP is gone: the teardown destroys it without waiting
+            reactor.unregister(wr.wr_id)
+            return
+        self.work_requests_posted += 1
+        sq.push(wr.wr_id, _Op(_CTRL, None, payload=(FrameType.CREDIT, 0)), last_in_batch=True)
 
     def _posted_ops(self) -> list[_Op]:
         """The ops on the send queue, the messages of BATCH frames listed one by one."""
@@ -1465,6 +1488,8 @@ class Endpoint:
             region.close()
         for name in ("_qp", "_staging_out", "_staging_in", "_spool", "_rpool"):
             obj = self.__dict__.pop(name, None)
+            if isinstance(obj, StagingCache):
+                self._staging_registered += obj.registrations  # (statistics)
             if obj is not None:
                 try:
                     obj.close()

@@ -499,10 +499,19 @@ async def test_frames_nobody_waits_for_are_unsignaled_and_never_hold_up_close(
         await asyncio.wait_for(ep.send(big), T)
         assert await asyncio.wait_for(srv.recv(), T) == big
         t0 = loop.time()
+        posted = ep.statistics()["work_requests_posted"]
         await asyncio.wait_for(ep.close(), T)  # after an unsignaled RNDV
+        assert ep.statistics()["work_requests_posted"] == posted + 1  # CLOSE retired it
+        posted = srv.statistics()["work_requests_posted"]
+        regs = srv.statistics()["staging_registrations"]
         srv.abort()  # after an unsignaled RNDV_DONE
         await asyncio.wait_for(srv.wait_closed(), T)
         assert loop.time() - t0 < 4.0  # well under close_timeout
+        # the teardown posted a flush marker, whose completion retired the RNDV_DONE
+        assert srv.statistics()["work_requests_posted"] == posted + 1
+        # (statistics stay readable after close, with their last values)
+        assert regs >= 1 and srv.statistics()["staging_registrations"] == regs
+        assert ep.statistics()["bytes_sent"] == 2 * len(big) + 5
 
 
 async def test_abort_fails_pending_now_and_peer_notices(opts: dict) -> None:
