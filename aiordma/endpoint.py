@@ -230,6 +230,13 @@ class Endpoint:
             self._destroy_resources()
             raise
         self.qp_num = self._qp.qp_num
+        # One work request per buffer slot, re-used for every post of that slot (a
+        # provider copies what it needs at post time): no allocation per message.
+        rp, sp = self._rpool, self._spool
+        self._recv_wrs = [RecvWR(0, [SGE(rp.addr(i), rp.slot_size, rp.lkey)])
+                          for i in range(rp.count)]
+        self._send_wrs = [SendWR(0, _SEND, [SGE(sp.addr(i), 0, sp.lkey)], 0)
+                          for i in range(sp.count)]
         device.watch_qp(self.qp_num, self._on_async_event)
         self._psn = random.randrange(1 << 24)
         self._sq = SendQueue(self._send_depth, opts.signal_interval)
@@ -936,10 +943,13 @@ class Endpoint:
             self._post_batch(batch)
 
     def _frame_wr(self, op: _Op, nbytes: int) -> SendWR:
-        spool = self._spool
+        """The SEND of the frame in ``op``'s slot (that slot's WR; _post_batch sets
+        wr_id and the signaled flag)."""
         assert op.slot is not None
-        return SendWR(0, _SEND, [SGE(spool.addr(op.slot), nbytes, spool.lkey)],
-                      _INLINE if nbytes <= self._inline else 0)
+        wr = self._send_wrs[op.slot]
+        wr.sg_list[0].length = nbytes
+        wr.send_flags = _INLINE if nbytes <= self._inline else 0
+        return wr
 
     def _build_data(self, op: _Op) -> None:
         assert self._credits is not None
@@ -1254,9 +1264,9 @@ class Endpoint:
         pool = self._rpool
         register = self._reactor.register
         on_wc = self._on_recv_wc
-        size, lkey = pool.slot_size, pool.lkey
-        wrs = [RecvWR(register(on_wc, slot), [SGE(pool.addr(slot), size, lkey)])
-               for slot in slots]
+        wrs = [self._recv_wrs[slot] for slot in slots]
+        for wr, slot in zip(wrs, slots, strict=True):
+            wr.wr_id = register(on_wc, slot)
         try:
             self._qp.post_recv(wrs)
         except RDMAError:
