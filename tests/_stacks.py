@@ -65,6 +65,16 @@ def port_of(server: Any) -> int:
     return port
 
 
+def backlog_bytes(stack: Stack) -> int:
+    """How much a flow-control test writes to a reader that does not read: more than
+    the connection holds in flight, so most of it stays queued at the writer. A
+    loopback TCP connection buffers megabytes in the kernel (32 MiB); the RDMA
+    transport holds at most its credit window (recv_depth eager frames, 1 MiB by
+    default) in flight, so 8 MiB does, and keeps the test short on rxe under TCG, where
+    these transfers run at a few MB/s."""
+    return 8 * 1024 * 1024 if stack.rdma else 32 * 1024 * 1024
+
+
 def pattern(n: int, seed: int = 0) -> bytes:
     """``n`` bytes that show any reordering, loss or duplication of 4-byte words."""
     words = (n + 3) // 4

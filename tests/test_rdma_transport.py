@@ -19,6 +19,7 @@ from _stacks import (
     Recorder,
     Stack,
     T,
+    backlog_bytes,
     connected,
     eventually,
     loop_errors,
@@ -152,7 +153,7 @@ async def test_eof_received_false_closes_the_transport(stack: Stack) -> None:
 
 
 async def test_flow_control_slow_reader_pauses_and_resumes_writer(stack: Stack) -> None:
-    total = 32 * MiB  # more than a loopback TCP connection buffers in the kernel
+    total = backlog_bytes(stack)
     async with connected(stack) as c:
         assert c.transport.get_write_buffer_limits() == default_limits(stack)
         c.server.transport.pause_reading()
@@ -192,7 +193,7 @@ async def test_set_write_buffer_limits_like_asyncio(stack: Stack) -> None:
 
 
 async def test_close_while_writer_paused_flushes_everything(stack: Stack) -> None:
-    total = 32 * MiB
+    total = backlog_bytes(stack)
     async with connected(stack) as c:
         c.server.transport.pause_reading()
         data = pattern(total, 3)

@@ -10,7 +10,7 @@ import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
-from _stacks import HOST, Stack, T, eventually, loop_errors, pattern, port_of
+from _stacks import HOST, Stack, T, backlog_bytes, eventually, loop_errors, pattern, port_of
 
 import aiordma
 
@@ -100,7 +100,7 @@ async def test_large_payload_readexactly(stack: Stack) -> None:
 
 
 async def test_drain_waits_for_a_slow_reader(stack: Stack) -> None:
-    total = 32 * MiB  # more than a loopback TCP connection buffers in the kernel
+    total = backlog_bytes(stack)
     go = asyncio.Event()
     received = bytearray()
 
