@@ -689,6 +689,87 @@ async def test_soak_random_sizes_and_cancellations(opts: dict) -> None:
         assert ep.statistics()["messages_sent"] == len(sizes)
 
 
+async def test_soak_parallel_connections_send_cancellations_and_aborts(opts: dict) -> None:
+    """RELIABILITY.md's soak: four connections at once, random sizes (eager, BATCH,
+    rendezvous), random send cancellations, two connections aborted midway (one by each
+    side). On every connection the receiver gets, in order and once each, a subsequence
+    of what was attempted that holds every send that returned; the survivors get their
+    end marker; the aborts touch no other connection; every future resolves."""
+    rng = random.Random(4321)
+    n, count = 4, 60
+    abort_at = {1: ("client", 25), 3: ("server", 40)}  # connection -> (side, after sends)
+    eps: asyncio.Queue[aiordma.Endpoint] = asyncio.Queue()
+
+    async def handler(ep: aiordma.Endpoint) -> None:
+        await eps.put(ep)
+        await ep.wait_closed()
+
+    listener = await aiordma.listen(handler, HOST, 0, recv_depth=8, **opts)
+    pairs = []
+    try:
+        for _ in range(n):
+            ep = await aiordma.connect(HOST, listener.port, timeout=T, recv_depth=8, **opts)
+            pairs.append((ep, await asyncio.wait_for(eps.get(), T)))
+
+        def msg(i: int, k: int) -> bytes:
+            size = rng.choice([0, 1, 64, 1000, 16000, 17000, 200_000])
+            return bytes([i, k % 251]) + payload(size, i * 1000 + k)
+
+        async def sender(i: int) -> tuple[list[bytes], list[bytes], str]:
+            ep, srv = pairs[i]
+            attempted, completed = [], []
+            for k in range(count):
+                if i in abort_at and k == abort_at[i][1]:
+                    (ep if abort_at[i][0] == "client" else srv).abort()
+                m = msg(i, k)
+                attempted.append(m)
+                t = asyncio.ensure_future(ep.send(m))
+                if rng.random() < 0.2:
+                    await asyncio.sleep(0)
+                    t.cancel()
+                try:
+                    await t
+                    completed.append(m)
+                except asyncio.CancelledError:
+                    pass
+                except aiordma.ConnectionClosed:
+                    return attempted, completed, "closed"
+            await ep.send(b"END")
+            return attempted, completed, "end"
+
+        async def receiver(i: int) -> tuple[list[bytes], str]:
+            got: list[bytes] = []
+            while True:
+                try:
+                    m = await pairs[i][1].recv()
+                except aiordma.ConnectionClosed:
+                    return got, "closed"
+                if m == b"END":
+                    return got, "end"
+                got.append(m)
+
+        results = await asyncio.wait_for(asyncio.gather(
+            *(sender(i) for i in range(n)), *(receiver(i) for i in range(n))), 90)
+        for i in range(n):
+            attempted, completed, send_end = results[i]
+            got, recv_end = results[n + i]
+            assert (send_end, recv_end) == (("closed", "closed") if i in abort_at
+                                             else ("end", "end")), i
+            it = iter(attempted)
+            assert all(any(m is a or m == a for a in it) for m in got), i  # in order, once
+            if i not in abort_at:
+                assert set(completed) <= set(got) and len(got) <= len(attempted)
+                assert len(completed) >= count // 2  # (cancellation is the exception)
+            else:
+                assert pairs[i][0].closed
+    finally:
+        for ep, srv in pairs:
+            ep.abort()
+            srv.abort()
+        listener.close()
+        await asyncio.wait_for(listener.wait_closed(), T)
+
+
 @pytest.mark.parametrize("event", ["QP_FATAL", "PORT_ERR"])
 async def test_device_async_events_fail_the_right_connections(opts: dict, event: str,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
