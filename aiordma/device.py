@@ -13,9 +13,8 @@ import atexit
 import logging
 import weakref
 from collections.abc import Callable
-from typing import Any
 
-from .cq_reactor import CQReactor
+from .cq_reactor import CQReactor, poll_settings
 from .verbs import AsyncEvent, Context, EventType, open_context, select_provider
 
 log = logging.getLogger("aiordma")
@@ -59,13 +58,27 @@ class Device:
         self._refs += 1
         return self
 
-    def reactor(self, loop: asyncio.AbstractEventLoop | None = None, **opts: Any) -> CQReactor:
-        """The CQ reactor of this device on ``loop`` (the running loop by default)."""
+    def reactor(self, loop: asyncio.AbstractEventLoop | None = None, *, mode: str | None = None,
+                spin_us: int | None = None) -> CQReactor:
+        """The CQ reactor of this device on ``loop`` (the running loop by default).
+
+        The first call for a loop creates it with ``mode``/``spin_us`` (None: the
+        environment, then the defaults); the poll policy belongs to the reactor, so a
+        later call that asks explicitly for another one raises ValueError instead of
+        silently getting the existing policy.
+        """
         loop = loop or asyncio.get_running_loop()
         r = self._reactors.get(id(loop))
         if r is None or r.loop is not loop or r._closed:
-            r = CQReactor(self.ctx, loop, **opts)
+            r = CQReactor(self.ctx, loop, mode=mode, spin_us=spin_us)
             self._reactors[id(loop)] = r
+        elif mode is not None or spin_us is not None:
+            want = poll_settings(mode or r.mode, r.spin_us if spin_us is None else spin_us)
+            if want != (r.mode, r.spin_us):
+                raise ValueError(
+                    f"poll_mode={want[0]!r} spin_us={want[1]}: the {self.name} device already "
+                    f"polls in mode {r.mode!r} spin_us={r.spin_us} on this event loop (the "
+                    "policy is per device and loop, set by its first connection)")
         if self._async_loop is None or self._async_loop.is_closed():
             # The device's async-event fd is watched by the first loop that uses it.
             loop.add_reader(self.ctx.async_fd, self._on_async_events)

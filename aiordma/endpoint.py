@@ -197,10 +197,15 @@ class Endpoint:
         self.max_message_size = opts.max_message_size
         self.provider = device.provider
         self.device_name = device.name
-        self._reactor: CQReactor = device.reactor(loop, mode=opts.poll_mode, spin_us=opts.spin_us)
         ctx = device.ctx
-        dattr = ctx.query_device()
-        self._port = ctx.query_port(1)
+        try:
+            self._reactor: CQReactor = device.reactor(loop, mode=opts.poll_mode,
+                                                      spin_us=opts.spin_us)
+            dattr = ctx.query_device()
+            self._port = ctx.query_port(1)
+        except BaseException:
+            device.release()  # the caller's reference: nothing else was made yet
+            raise
         # One work request moves at most the port's max_msg_sz (rxe on 6.1: 8 MiB):
         # longer READs/WRITEs are posted as several, in order (see _wr_chunks).
         self._max_wr = min(opts.max_wr_size or self._port.max_msg_sz, self._port.max_msg_sz)
@@ -211,7 +216,11 @@ class Endpoint:
         self._eager_payload = opts.eager_size - HEADER_SIZE
         self._closers: list[Any] = []  # what teardown destroys, in reverse order
         self._staging_registered = 0  # registrations by staging caches already closed
-        self._pd = ctx.alloc_pd()
+        try:
+            self._pd = ctx.alloc_pd()
+        except BaseException:
+            device.release()
+            raise
         try:
             entries = self._send_depth + self._recv_depth
             self._cq = self._reactor.acquire_cq(entries)

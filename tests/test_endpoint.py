@@ -46,6 +46,63 @@ async def test_send_recv_sizes(opts: dict) -> None:
             assert await asyncio.wait_for(ep.recv(), T) == data
 
 
+@pytest.mark.parametrize("mode", ["blocking", "hybrid", "polling"])
+async def test_every_poll_mode_end_to_end(opts: dict, mode: str) -> None:
+    """Eager, BATCH, rendezvous both ways, one-sided ops, atomics and a graceful close
+    under each poll policy of the reactor."""
+    async with pair(opts, poll_mode=mode, spin_us=50) as (ep, q):
+        srv = await server_ep(q)
+        assert ep._reactor.mode == mode
+        msgs = [payload(n, n) for n in (0, 64, 17000, 1 << 20)]
+        for m in msgs:
+            await asyncio.wait_for(asyncio.gather(ep.send(m), srv.send(m)), T)
+        for m in msgs:
+            assert await asyncio.wait_for(srv.recv(), T) == m
+            assert await asyncio.wait_for(ep.recv(), T) == m
+        await asyncio.wait_for(asyncio.gather(*(ep.send(b"%d" % i) for i in range(20))), T)
+        for i in range(20):
+            assert await asyncio.wait_for(srv.recv(), T) == b"%d" % i
+        region = srv.register(bytearray(4096), remote_read=True, remote_write=True,
+                              remote_atomic=True)
+        local = ep.register(bytearray(4096))
+        local.view[:] = payload(4096, 3)
+        await asyncio.wait_for(ep.write(local, region.remote()), T)
+        assert bytes(region.view) == payload(4096, 3)
+        out = ep.register(bytearray(4096))
+        await asyncio.wait_for(ep.read(out, region.remote()), T)
+        assert bytes(out.view) == payload(4096, 3)
+        old = await asyncio.wait_for(ep.fetch_add(region.remote().slice(0, 8), 5), T)
+        assert old == int.from_bytes(payload(4096, 3)[:8], "little")
+        await asyncio.wait_for(ep.close(), T)
+        with pytest.raises(aiordma.ConnectionClosed):
+            await asyncio.wait_for(srv.recv(), T)
+
+
+async def test_a_second_poll_mode_on_the_same_loop_is_refused(opts: dict) -> None:
+    """The poll policy belongs to the device's reactor on this loop: a connection that
+    asks for another one gets a clear ValueError (not silently the first one's policy),
+    and nothing leaks -- the first connection keeps working."""
+    async with pair(opts, poll_mode="hybrid", spin_us=30) as (ep, q):
+        srv = await server_ep(q)
+        port = (ep.peer_address or ("", 0))[1]
+        device = ep._device
+        refs = device._refs
+        for bad in ({"poll_mode": "polling"}, {"poll_mode": "hybrid", "spin_us": 5},
+                    {"poll_mode": "blocking"}):
+            with pytest.raises(ValueError, match="already polls in mode 'hybrid' spin_us=30"):
+                await aiordma.connect(HOST, port, timeout=T, **opts, **bad)
+        assert device._refs == refs
+        # asking for the same policy, or for none, is fine
+        for same in ({"poll_mode": "hybrid"}, {"spin_us": 30}, {}):
+            ep2 = await aiordma.connect(HOST, port, timeout=T, **opts, **same)
+            srv2 = await server_ep(q)
+            await asyncio.wait_for(ep2.send(b"x"), T)
+            assert await asyncio.wait_for(srv2.recv(), T) == b"x"
+            await asyncio.wait_for(ep2.close(), T)
+        await asyncio.wait_for(ep.send(b"still"), T)
+        assert await asyncio.wait_for(srv.recv(), T) == b"still"
+
+
 async def test_send_accepts_any_bytes_like(opts: dict) -> None:
     import array
 
