@@ -261,24 +261,30 @@ class CQReactor:
             slot.channel.flush()  # type: ignore[attr-defined]
 
     def _on_readable(self, slot: _CQSlot) -> None:
+        """One wake-up: read the event, ack (batched), re-arm, then poll until a poll
+        comes back short -- the CQ was empty at that moment and is armed, so whatever
+        arrives later queues an event (fact 1). One ``get_event``: the CQ is armed once
+        per wake-up, so it queues at most one event; if another is queued, the fd stays
+        readable and the loop calls again. (Per wake-up that is one event read, one arm
+        and usually one poll; polling before arming too cost a second poll and a failed
+        read, each a system call or a pyverbs call on a real device.)"""
         self.wakeups += 1
-        channel = slot.channel
-        while channel.get_event() is not None:
+        if slot.channel.get_event() is not None:
             slot.unacked += 1
-        if slot.unacked >= _ACK_BATCH:
-            slot.cq.ack_events(slot.unacked)
-            slot.unacked = 0
-        self._drain(slot, until_empty=False)
+            if slot.unacked >= _ACK_BATCH:
+                slot.cq.ack_events(slot.unacked)
+                slot.unacked = 0
         slot.cq.req_notify()
-        self._drain(slot)
+        self._drain(slot, until_empty=False)
         if self.mode == "hybrid" and self.spin_us:
             self._spin_from_now()
         elif self.mode == "polling" and self._table:
             self._schedule_poll()
 
     def _drain(self, slot: _CQSlot, until_empty: bool = True) -> int:
-        """Dispatch what the CQ holds. ``until_empty=False`` (before re-arming, when the
-        drain after it follows): stop after a short batch instead of polling once more."""
+        """Dispatch what the CQ holds. ``until_empty=False`` (after arming): stop after a
+        short batch instead of polling once more (a poll returns fewer than asked only
+        when the CQ is empty)."""
         total = 0
         poll = slot.cq.poll
         while True:

@@ -45,8 +45,9 @@ class FakeChannel:
 
 class FakeCQ:
     """Arming is one-shot; an event fires only for a completion added after arming.
-    ``on_empty_poll``: a callable run once at the next empty poll (race injection: a
-    completion that lands after the reactor's last empty poll, before it re-arms)."""
+    ``after_poll``: a callable run once right after the next poll took its completions
+    (race injection: a completion that lands just after the reactor looked, before it
+    could have re-armed; only re-arming *before* that last look catches it)."""
 
     def __init__(self, channel: FakeChannel) -> None:
         self.channel = channel
@@ -54,7 +55,7 @@ class FakeCQ:
         self.armed = False
         self.acked = 0
         self.events = 0
-        self.on_empty_poll: Callable[[], None] | None = None
+        self.after_poll: Callable[[], None] | None = None
         self.closed = False
 
     def add(self, wc: WC) -> None:
@@ -70,13 +71,11 @@ class FakeCQ:
 
     def poll(self, n: int) -> list[WC]:
         q = self.q
-        if not q:
-            if self.on_empty_poll is not None:
-                hook, self.on_empty_poll = self.on_empty_poll, None
-                hook()
-            return []
         out = q[:n]
         del q[:n]
+        if self.after_poll is not None:
+            hook, self.after_poll = self.after_poll, None
+            hook()
         return out
 
     def req_notify(self, solicited_only: bool = False) -> None:

@@ -30,11 +30,12 @@ async def test_completion_in_the_arm_window_is_not_lost(mode: str) -> None:
     cq: FakeCQ = r.acquire_cq(8)  # type: ignore[assignment]
     futs = [loop.create_future() for _ in range(3)]
     ids = [r.register(future_handler, f) for f in futs]
+    # during the wake-up, the second completion lands just after the poll that takes
+    # the first: the reactor must have re-armed before that poll, or nothing wakes it
+    cq.after_poll = lambda: cq.add(_wc(ids[1]))
     cq.add(_wc(ids[0]))  # wakes the reactor (armed at creation)
-    # during the wake-up's drain, the second completion lands after an empty poll
-    cq.on_empty_poll = lambda: cq.add(_wc(ids[1]))
     await asyncio.wait_for(futs[0], 2)
-    await asyncio.wait_for(futs[1], 2)  # would hang without re-arm-then-drain
+    await asyncio.wait_for(futs[1], 2)  # would hang with poll-then-arm
     cq.add(_wc(ids[2]))
     await asyncio.wait_for(futs[2], 2)
     st = r.statistics()
