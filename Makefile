@@ -38,11 +38,11 @@ clean:
 ## Soft-RoCE VM tier (tests/rxe/README.md): the suite on real verbs (rdma_rxe) in a
 ## throw-away Debian VM under qemu. forky: rdma-core/pyverbs 65; bookworm: 44.
 # The provider-parametrised suite (the provider-independent tests ran in the fast tier):
-# the verbs layer, endpoints, EOF/close, Transports/Protocols, streams, and the examples
-# as separate processes, on both loops.
+# the verbs layer, endpoints, EOF/close, Transports/Protocols, streams, the examples
+# as separate processes, and one device shared by loops in threads, on both loops.
 RXE_TESTS ?= tests/test_verbs_provider.py tests/test_ibverbs_compat.py tests/test_endpoint.py \
 	tests/test_endpoint_eof.py tests/test_multiprocess.py tests/test_rdma_transport.py \
-	tests/test_streams.py tests/test_examples_protocols.py
+	tests/test_streams.py tests/test_examples_protocols.py tests/test_device_threads.py
 RXE_PYTEST = python3 -m pytest -p no:cacheprovider -q -rfE -k "not tcp" --durations=10
 
 test-rxe:

@@ -230,6 +230,11 @@ class CQReactor:
     def outstanding(self) -> int:
         return len(self._table)
 
+    @property
+    def in_use(self) -> bool:
+        """True while some CQ capacity is reserved (an endpoint still has its QP)."""
+        return any(slot.reserved for slot in self._slots)
+
     # -- the completion path ---------------------------------------------------------
     def _on_progress(self, slot: _CQSlot) -> None:
         """The provider has bytes to move (manual progress): move them here, then

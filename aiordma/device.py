@@ -4,6 +4,10 @@
 ``release()`` drops a reference and closes the context with the last one. Users may
 also open a device explicitly with ``aiordma.open_device()`` and pass it as
 ``device=`` to ``connect``/``listen``.
+
+Several event loops (threads) may use one device: each has its own reactor; the
+device's async-event fd is read by one of them, and each event is handed to the
+endpoint it concerns on that endpoint's own loop (``call_soon_threadsafe``).
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import logging
+import threading
 import weakref
 from collections.abc import Callable
 
@@ -27,6 +32,7 @@ class Device:
     """An open RDMA device: its verbs ``Context`` and its CQ reactors (one per loop)."""
 
     _shared: dict[tuple[str, str | None], Device] = {}
+    _lock = threading.Lock()  # reference counts and the shared table, from any thread
 
     def __init__(self, ctx: Context, *, shared_key: tuple[str, str | None] | None = None) -> None:
         self.ctx = ctx
@@ -36,7 +42,8 @@ class Device:
         self._refs = 1
         self._shared_key = shared_key
         self.closed = False
-        self._qp_watchers: dict[int, Callable[[AsyncEvent], None]] = {}
+        self._qp_watchers: dict[int, tuple[asyncio.AbstractEventLoop,
+                                           Callable[[AsyncEvent], None]]] = {}
         self._async_loop: asyncio.AbstractEventLoop | None = None
         self.async_events = 0
         _open_devices.add(self)
@@ -46,16 +53,18 @@ class Device:
         """The shared device for (provider, name), opened on first use (refcounted)."""
         prov = select_provider(provider).name
         key = (prov, name)
-        dev = cls._shared.get(key)
-        if dev is not None and not dev.closed:
-            dev._refs += 1
+        with cls._lock:
+            dev = cls._shared.get(key)
+            if dev is not None and not dev.closed:
+                dev._refs += 1
+                return dev
+            dev = cls(open_context(name, provider=prov), shared_key=key)
+            cls._shared[key] = dev
             return dev
-        dev = cls(open_context(name, provider=prov), shared_key=key)
-        cls._shared[key] = dev
-        return dev
 
     def ref(self) -> Device:
-        self._refs += 1
+        with Device._lock:
+            self._refs += 1
         return self
 
     def reactor(self, loop: asyncio.AbstractEventLoop | None = None, *, mode: str | None = None,
@@ -68,6 +77,7 @@ class Device:
         silently getting the existing policy.
         """
         loop = loop or asyncio.get_running_loop()
+        self._close_orphans()
         r = self._reactors.get(id(loop))
         if r is None or r.loop is not loop or r._closed:
             r = CQReactor(self.ctx, loop, mode=mode, spin_us=spin_us)
@@ -85,10 +95,22 @@ class Device:
             self._async_loop = loop
         return r
 
-    def watch_qp(self, qp_num: int, on_event: Callable[[AsyncEvent], None]) -> None:
-        """Call ``on_event(ev)`` for async events of QP ``qp_num`` (QP fatal, access or
-        request errors) and for device-wide failures (port down, device fatal)."""
-        self._qp_watchers[qp_num] = on_event
+    def _close_orphans(self) -> None:
+        """Close the reactors of loops that are closed (a thread's ``asyncio.run`` is
+        over): their CQs would stay allocated until the device closes. One that still
+        has a QP on its CQs (an endpoint never closed) is kept for the device's close."""
+        with Device._lock:  # each orphan is taken (and closed) by one thread
+            orphans = [self._reactors.pop(key) for key, r in list(self._reactors.items())
+                       if r.loop.is_closed() and not r.in_use]
+        for r in orphans:
+            r.close()
+
+    def watch_qp(self, qp_num: int, on_event: Callable[[AsyncEvent], None],
+                 loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """Call ``on_event(ev)`` on ``loop`` (the running loop by default) for async
+        events of QP ``qp_num`` (QP fatal, access or request errors) and for
+        device-wide failures (port down, device fatal)."""
+        self._qp_watchers[qp_num] = (loop or asyncio.get_running_loop(), on_event)
 
     def unwatch_qp(self, qp_num: int) -> None:
         self._qp_watchers.pop(qp_num, None)
@@ -97,26 +119,33 @@ class Device:
         """Drain the async fd (the provider acknowledges each event) and act on them."""
         for ev in self.ctx.get_async_events():
             self.async_events += 1
+            watchers = self._qp_watchers
             if ev.event_type in _DEVICE_WIDE:
                 log.error("aiordma: %s on %s port %s: failing its connections",
                           ev.event_type, self.name, ev.port_num)
-                targets = list(self._qp_watchers.values())
-            elif ev.qp_num is not None and ev.qp_num in self._qp_watchers:
-                targets = [self._qp_watchers[ev.qp_num]]
+                targets = list(watchers.values())
+            elif ev.qp_num is not None and (w := watchers.get(ev.qp_num)) is not None:
+                targets = [w]
             else:
                 if ev.event_type == EventType.CQ_ERR:
                     log.error("aiordma: CQ overrun on %s (a bug: CQs are sized 2x)", self.name)
                 continue
-            for cb in targets:
-                try:
-                    cb(ev)
-                except Exception:
-                    log.exception("aiordma: async event handler raised")
+            here = asyncio.get_running_loop()
+            for loop, cb in targets:
+                if loop is here:
+                    _deliver(cb, ev)
+                elif not loop.is_closed():  # another thread's loop: hand it over
+                    try:
+                        loop.call_soon_threadsafe(_deliver, cb, ev)
+                    except RuntimeError:  # closed meanwhile: nothing left to fail
+                        pass
 
     def release(self) -> None:
         """Drop one reference; the last one closes reactors and the context."""
-        self._refs -= 1
-        if self._refs <= 0:
+        with Device._lock:
+            self._refs -= 1
+            last = self._refs <= 0
+        if last:
             self.close()
 
     def close(self) -> None:
@@ -136,6 +165,13 @@ class Device:
 
     def __repr__(self) -> str:
         return f"<Device {self.name} provider={self.provider} refs={self._refs}>"
+
+
+def _deliver(cb: Callable[[AsyncEvent], None], ev: AsyncEvent) -> None:
+    try:
+        cb(ev)
+    except Exception:
+        log.exception("aiordma: async event handler raised")
 
 
 _open_devices: weakref.WeakSet[Device] = weakref.WeakSet()

@@ -246,7 +246,7 @@ class Endpoint:
                           for i in range(rp.count)]
         self._send_wrs = [SendWR(0, _SEND, [SGE(sp.addr(i), 0, sp.lkey)], 0)
                           for i in range(sp.count)]
-        device.watch_qp(self.qp_num, self._on_async_event)
+        device.watch_qp(self.qp_num, self._on_async_event, loop)
         self._psn = random.randrange(1 << 24)
         self._sq = SendQueue(self._send_depth, opts.signal_interval)
         self._regions = RegionTable()
