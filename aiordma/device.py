@@ -149,22 +149,58 @@ class Device:
             self.close()
 
     def close(self) -> None:
-        """Close every reactor and the context. Idempotent."""
+        """Close every reactor and the context. Idempotent. A reactor whose loop runs in
+        another thread is closed on that loop (its readers are that loop's); this
+        waits for it, at most ``_FOREIGN_CLOSE_S`` per loop."""
         if self.closed:
             return
         self.closed = True
-        if self._async_loop is not None and not self._async_loop.is_closed():
-            self._async_loop.remove_reader(self.ctx.async_fd)
-        self._async_loop = None
-        for r in self._reactors.values():
-            r.close()
+        async_loop, self._async_loop = self._async_loop, None
+        if async_loop is not None and not async_loop.is_closed():
+            fd = self.ctx.async_fd
+            _on_its_loop(async_loop, lambda: async_loop.remove_reader(fd))
+        reactors = list(self._reactors.values())
         self._reactors.clear()
+        for r in reactors:
+            _on_its_loop(r.loop, r.close)
         if self._shared_key is not None and Device._shared.get(self._shared_key) is self:
             del Device._shared[self._shared_key]
         self.ctx.close()
 
     def __repr__(self) -> str:
         return f"<Device {self.name} provider={self.provider} refs={self._refs}>"
+
+
+_FOREIGN_CLOSE_S = 5.0
+
+
+def _on_its_loop(loop: asyncio.AbstractEventLoop, fn: Callable[[], object]) -> None:
+    """Run ``fn`` now if ``loop`` is this thread's or not running; else on ``loop``
+    (another thread's), waiting until it ran (bounded: a loop whose thread is stuck
+    leaves ``fn`` undone, logged)."""
+    try:
+        here: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+    except RuntimeError:
+        here = None
+    if loop is here or loop.is_closed() or not loop.is_running():
+        fn()
+        return
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            fn()
+        finally:
+            done.set()
+
+    try:
+        loop.call_soon_threadsafe(run)
+    except RuntimeError:  # closed meanwhile: nobody else uses it now
+        fn()
+        return
+    if not done.wait(_FOREIGN_CLOSE_S):
+        log.warning("aiordma: the loop of another thread did not run the device's close "
+                    "within %.0f s", _FOREIGN_CLOSE_S)
 
 
 def _deliver(cb: Callable[[AsyncEvent], None], ev: AsyncEvent) -> None:

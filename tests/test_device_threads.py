@@ -119,3 +119,38 @@ async def test_async_event_reaches_the_endpoint_on_its_own_loop(
     finally:
         go.set()
         device.close()
+
+
+async def test_closing_the_device_closes_another_threads_reactor_on_its_loop(
+        provider_name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The device is closed from this thread while a loop that used it still runs in
+    another: that loop's reactor (and the async-event reader it holds) are closed by
+    that loop itself, and the close waits for it."""
+    from aiordma.cq_reactor import CQReactor
+
+    device = aiordma.open_device(provider=provider_name)
+    ready, stop = threading.Event(), threading.Event()
+    closed_on: list[int] = []
+    real_close = CQReactor.close
+
+    def recording_close(self: CQReactor) -> None:
+        closed_on.append(threading.get_ident())
+        real_close(self)
+
+    monkeypatch.setattr(CQReactor, "close", recording_close)
+
+    async def other() -> int:
+        device.reactor()  # this loop's reactor; it also reads the device's async events
+        ready.set()
+        await asyncio.to_thread(stop.wait, T)
+        return threading.get_ident()
+
+    t, out = _in_thread(other)
+    try:
+        assert await asyncio.to_thread(ready.wait, T)
+        device.close()  # from this thread, while the other loop runs
+        assert device.closed and len(closed_on) == 1
+    finally:
+        stop.set()
+        await asyncio.to_thread(t.join, T)
+    assert out == [closed_on[0]] and closed_on[0] != threading.get_ident()
