@@ -1085,22 +1085,22 @@ class IbvQP(QP):
             raise PostError(errno.ENOMEM, f"receive queue full ({len(q.rq)} of {q.max_recv} "
                             f"in use, {n} more posted)")
         check_recv_wrs(wrs, self.cap)
+        if all(len(wr.sg_list) == 1 for wr in wrs):
+            self._post_recv_cached(wrs)
+        else:
+            self._post_recv_chain(wrs)
+        if st == QPState.ERR:
+            self._flush_posted()
+
+    def _post_recv_chain(self, wrs: list[RecvWR]) -> None:
+        """Post receives with any number of SGEs as one chain of new pyverbs WRs (freed
+        after the post; an empty SGE list is posted as num_sge 0)."""
         pvwr = self._pv.wr
         sges: list[Any] = []
         built: list[Any] = []
         head: Any = None
-        if all(len(wr.sg_list) == 1 for wr in wrs):
-            self._post_recv_cached(wrs)
-            if st == QPState.ERR:
-                self._flush_posted()
-            return
         try:
-            if n == 1 and len(wrs[0].sg_list) == 1:
-                head = self._one_recv(wrs[0])
-                rwrs: list[RecvWR] = []
-            else:
-                rwrs = wrs[::-1]
-            for wr in rwrs:
+            for wr in reversed(wrs):
                 sg = [pvwr.SGE(s.addr, s.length, s.lkey) for s in wr.sg_list]
                 if not sg:
                     sg = [pvwr.SGE(0, 0, 0)]
@@ -1123,9 +1123,7 @@ class IbvQP(QP):
                 obj.close()
             for s in sges:
                 s.close()
-        q.posted_recv(wr.wr_id & _M64 for wr in wrs)
-        if st == QPState.ERR:
-            self._flush_posted()
+        self._queues.posted_recv(wr.wr_id & _M64 for wr in wrs)
 
     def close(self) -> None:
         if self._closed:
