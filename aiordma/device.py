@@ -117,6 +117,7 @@ class Device:
 
     def _on_async_events(self) -> None:
         """Drain the async fd (the provider acknowledges each event) and act on them."""
+        here = asyncio.get_running_loop()
         for ev in self.ctx.get_async_events():
             self.async_events += 1
             watchers = self._qp_watchers
@@ -130,7 +131,6 @@ class Device:
                 if ev.event_type == EventType.CQ_ERR:
                     log.error("aiordma: CQ overrun on %s (a bug: CQs are sized 2x)", self.name)
                 continue
-            here = asyncio.get_running_loop()
             for loop, cb in targets:
                 if loop is here:
                     _deliver(cb, ev)

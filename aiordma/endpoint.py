@@ -203,6 +203,7 @@ class Endpoint:
                                                       spin_us=opts.spin_us)
             dattr = ctx.query_device()
             self._port = ctx.query_port(1)
+            self._pd = ctx.alloc_pd()
         except BaseException:
             device.release()  # the caller's reference: nothing else was made yet
             raise
@@ -216,11 +217,6 @@ class Endpoint:
         self._eager_payload = opts.eager_size - HEADER_SIZE
         self._closers: list[Any] = []  # what teardown destroys, in reverse order
         self._staging_registered = 0  # registrations by staging caches already closed
-        try:
-            self._pd = ctx.alloc_pd()
-        except BaseException:
-            device.release()
-            raise
         try:
             entries = self._send_depth + self._recv_depth
             self._cq = self._reactor.acquire_cq(entries)
