@@ -5,7 +5,9 @@ PY := $(VENV)/bin/python
 SIZES ?= 0,64,4K,1M,64M
 COUNT ?= 200
 
-.PHONY: setup echo test test-fast test-rxe test-rxe-bookworm test-rxe-compat lint bench bench-rxe clean
+_NATIVE_SO = $(wildcard aiordma/*.so aiordma/*/*.so aiordma/*/*/*.so)
+
+.PHONY: native clean-native test-native setup echo test test-fast test-rxe test-rxe-bookworm test-rxe-compat lint bench bench-rxe clean
 
 $(VENV)/.stamp: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,16 +26,38 @@ echo: setup
 test-fast: setup
 	AIORDMA_PROVIDER=soft $(PY) -m pytest -q
 
-## The test command (README, .ci/run): the fast tier, then the same suite on real verbs
+## The test command (README, .ci/run): the fast tier, the fast tier again on the native
+## (mypyc) build, then the same suite on real verbs
 ## (rdma_rxe) inside the Soft-RoCE VM: forky (pyverbs 65), then the compat run on bookworm (44).
-test: test-fast test-rxe test-rxe-compat
+test: test-fast test-native test-rxe test-rxe-compat
 
 lint: setup
 	$(PY) -m ruff check aiordma tests examples benchmarks
 	$(PY) -m mypy
 
-clean:
+clean: clean-native
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+
+## Optional native build (setup.py): the hot path compiled with mypyc, in place; Python
+## imports the extensions instead of the sources until `make clean-native`.
+native: setup
+	AIORDMA_MYPYC=1 $(PY) setup.py -q build_ext --inplace
+	$(PY) -c "import aiordma.native as n; b = n.build(); print('aiordma build:', b); raise SystemExit(b != 'mypyc')"
+
+clean-native:
+	rm -rf build $(_NATIVE_SO)
+
+## The fast tier on the native build, in a copy of the working tree (build/native-tree)
+## so that this tree stays as it is; lint ran in test-fast.
+NATIVE_TREE := build/native-tree
+test-native: setup
+	rm -rf $(NATIVE_TREE) && mkdir -p $(NATIVE_TREE)
+	tar --exclude=./.venv --exclude=./.git --exclude=./build --exclude='*.so' -cf - . \
+		| tar -xf - -C $(NATIVE_TREE)
+	cd $(NATIVE_TREE) && AIORDMA_MYPYC=1 $(abspath $(PY)) setup.py -q build_ext --inplace \
+		>build.log 2>&1 || { tail -50 build.log; exit 1; }
+	cd $(NATIVE_TREE) && AIORDMA_PROVIDER=soft AIORDMA_EXPECT_BUILD=mypyc \
+		$(abspath $(PY)) -m pytest -q -p no:cacheprovider -m "not lint"
 
 ## Soft-RoCE VM tier (tests/rxe/README.md): the suite on real verbs (rdma_rxe) in a
 ## throw-away Debian VM under qemu. forky: rdma-core/pyverbs 65; bookworm: 44.

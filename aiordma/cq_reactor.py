@@ -54,18 +54,18 @@ import os
 import time
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar, Final
 
 from .errors import CQOverrunError, RDMAError, completion_error
 from .verbs import CQ, WC, CompChannel, Context, WCStatus
 
 Handler = Callable[[WC, Any], None]
 
-MODES = ("blocking", "hybrid", "polling")
-DEFAULT_MODE = "blocking"
-DEFAULT_SPIN_US = 20
-_POLL_BATCH = 32
-_ACK_BATCH = 64
+MODES: Final = ("blocking", "hybrid", "polling")
+DEFAULT_MODE: Final = "blocking"
+DEFAULT_SPIN_US: Final = 20
+_POLL_BATCH: Final = 32
+_ACK_BATCH: Final = 64
 
 
 def poll_settings(mode: str | None = None, spin_us: int | None = None) -> tuple[str, int]:
@@ -126,7 +126,7 @@ class CQReactor:
     in use and is closed with ``close()`` (or by the last ``release_cq``).
     """
 
-    _instances: weakref.WeakValueDictionary[tuple[int, int], CQReactor] = (
+    _instances: ClassVar[weakref.WeakValueDictionary[tuple[int, int], CQReactor]] = (
         weakref.WeakValueDictionary())
 
     def __init__(self, ctx: Context, loop: asyncio.AbstractEventLoop, *, mode: str | None = None,

@@ -32,7 +32,7 @@ import logging
 import random
 import struct
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Final
 
 from .cq_reactor import CQReactor
 from .device import Device
@@ -95,19 +95,27 @@ from .verbs import (
 
 log = logging.getLogger("aiordma")
 
-_U64 = struct.Struct("<Q")
+_U64: Final = struct.Struct("<Q")
 # hot path: plain ints (flag-enum arithmetic builds a new enum object per operation)
-_SIGNALED = int(SendFlags.SIGNALED)
-_INLINE = int(SendFlags.INLINE)
-_REMOTE_READ = int(Access.REMOTE_READ)
-_SEND = WROpcode.SEND
-_MASK64 = (1 << 64) - 1
+_SIGNALED: Final = int(SendFlags.SIGNALED)
+_INLINE: Final = int(SendFlags.INLINE)
+_REMOTE_READ: Final = int(Access.REMOTE_READ)
+_SEND: Final = WROpcode.SEND
+_MASK64: Final = (1 << 64) - 1
 
 # op kinds (_BATCH: several _DATA ops sent as one BATCH frame; its payload lists them)
-_DATA, _RNDV, _CTRL, _WRITE, _READ, _ATOMIC, _IMM, _RNDV_READ, _BATCH = range(9)
-_BUSY_READ_AHEAD = 4 << 20  # staging bytes read ahead while a receive is in progress
-_GRACE_S = 1.0  # after the peer's EOF, how long posted work may take to complete
-_PEER_GONE = (WCStatus.RETRY_EXC_ERR, WCStatus.RNR_RETRY_EXC_ERR)
+_DATA: Final = 0
+_RNDV: Final = 1
+_CTRL: Final = 2
+_WRITE: Final = 3
+_READ: Final = 4
+_ATOMIC: Final = 5
+_IMM: Final = 6
+_RNDV_READ: Final = 7
+_BATCH: Final = 8
+_BUSY_READ_AHEAD: Final = 4 << 20  # staging bytes read ahead while a receive is in progress
+_GRACE_S: Final = 1.0  # after the peer's EOF, how long posted work may take to complete
+_PEER_GONE: Final = (WCStatus.RETRY_EXC_ERR, WCStatus.RNR_RETRY_EXC_ERR)
 
 
 async def _uncancelled(fut: asyncio.Future[Any], timeout: float | None = None) -> Any:
@@ -179,7 +187,9 @@ class _Rx:
         self.deferred = False  # a rendezvous message not read ahead on arrival
 
 
-_RX_DATA, _RX_RNDV, _RX_EOF = range(3)
+_RX_DATA: Final = 0
+_RX_RNDV: Final = 1
+_RX_EOF: Final = 2
 
 
 class Endpoint:
@@ -189,6 +199,9 @@ class Endpoint:
     the order they were called; ``recv``/``recv_into`` serve callers in FIFO order and
     a cancelled receive never loses a message. ``async with ep:`` closes gracefully.
     """
+
+    # released by _destroy_resources (deleted: the endpoint holds them no more)
+    __deletable__ = ("_qp", "_staging_out", "_staging_in", "_spool", "_rpool", "_pd")
 
     def __init__(self, device: Device, opts: EndpointOptions, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
@@ -210,7 +223,7 @@ class Endpoint:
         # One work request moves at most the port's max_msg_sz (rxe on 6.1: 8 MiB):
         # longer READs/WRITEs are posted as several, in order (see _wr_chunks).
         self._max_wr = min(opts.max_wr_size or self._port.max_msg_sz, self._port.max_msg_sz)
-        self._inline = min(opts.inline_threshold, dattr.max_inline_data)
+        self._inline_cap = min(opts.inline_threshold, dattr.max_inline_data)
         self._recv_depth = min(opts.recv_depth, dattr.max_qp_wr)
         self._send_depth = min(opts.send_depth, dattr.max_qp_wr)
         self._eager = opts.eager_size
@@ -227,7 +240,7 @@ class Endpoint:
             self._staging_in = StagingCache(self._pd, Access.LOCAL_WRITE)
             self._qp = self._pd.create_qp(self._cq, self._cq, QPCap(
                 max_send_wr=self._send_depth, max_recv_wr=self._recv_depth,
-                max_send_sge=1, max_recv_sge=1, max_inline_data=self._inline))
+                max_send_sge=1, max_recv_sge=1, max_inline_data=self._inline_cap))
             self._qp.modify(QPAttr(QPState.INIT, port_num=1, qp_access_flags=(
                 Access.LOCAL_WRITE | Access.REMOTE_READ | Access.REMOTE_WRITE
                 | Access.REMOTE_ATOMIC)))
@@ -409,7 +422,7 @@ class Endpoint:
         """Counters and queue levels of this endpoint (also after it is closed: the
         counters keep their last values)."""
         c = self._credits
-        staging = [self.__dict__.get(name) for name in ("_staging_in", "_staging_out")]
+        staging = [getattr(self, name, None) for name in ("_staging_in", "_staging_out")]
         registered = self._staging_registered + sum(st.registrations for st in staging
                                                     if st is not None)
         return {
@@ -953,7 +966,7 @@ class Endpoint:
         assert op.slot is not None
         wr = self._send_wrs[op.slot]
         wr.sg_list[0].length = nbytes
-        wr.send_flags = _INLINE if nbytes <= self._inline else 0
+        wr.send_flags = _INLINE if nbytes <= self._inline_cap else 0
         return wr
 
     def _build_data(self, op: _Op) -> None:
@@ -1497,12 +1510,14 @@ class Endpoint:
         self._fail(ConnectionClosed(f"device reported {ev.event_type} for this connection"))
 
     def _destroy_resources(self) -> None:
-        if "_qp" in self.__dict__:
+        if hasattr(self, "_qp"):
             self._device.unwatch_qp(self._qp.qp_num)
         for region in self._regions.regions() if hasattr(self, "_regions") else []:
             region.close()
         for name in ("_qp", "_staging_out", "_staging_in", "_spool", "_rpool"):
-            obj = self.__dict__.pop(name, None)
+            obj = getattr(self, name, None)
+            if obj is not None:
+                delattr(self, name)
             if isinstance(obj, StagingCache):
                 self._staging_registered += obj.registrations  # (statistics)
             if obj is not None:
@@ -1510,9 +1525,11 @@ class Endpoint:
                     obj.close()
                 except RDMAError as exc:
                     log.warning("aiordma: closing %s failed: %s", name, exc)
-        if "_cq" in self.__dict__:
+        if hasattr(self, "_cq"):
             self._reactor.release_cq(self._cq, self._cq_entries)
-        pd = self.__dict__.pop("_pd", None)
+        pd = getattr(self, "_pd", None)
+        if pd is not None:
+            delattr(self, "_pd")
         if pd is not None:
             try:
                 pd.close()

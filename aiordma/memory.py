@@ -18,14 +18,16 @@ import bisect
 import dataclasses
 import mmap
 import struct
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Final
 
+from .native import mypyc_attr
 from .verbs import MR, PD, Access
 from .verbs.buffers import PinnedBuffer
 
-_REMOTE = struct.Struct("<QIQ")
+_REMOTE: Final = struct.Struct("<QIQ")
 
 
+@mypyc_attr(native_class=False)  # a ClassVar in a slotted frozen dataclass
 @dataclasses.dataclass(frozen=True, slots=True)
 class RemoteBuffer:
     """A peer's registered range: ``addr``, ``rkey``, ``length``. Immutable, hashable.
@@ -281,7 +283,7 @@ class StagingCache:
     ``max_cached_bytes`` in all) for the next lease.
     """
 
-    MIN_CLASS = 1 << 16
+    MIN_CLASS: ClassVar[int] = 1 << 16
 
     def __init__(self, pd: PD, access: Access, max_cached_bytes: int = 256 << 20) -> None:
         self._pd = pd

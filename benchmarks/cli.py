@@ -30,6 +30,8 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+from aiordma import native
+
 from .common import (
     ALL_TESTS,
     BW_TESTS,
@@ -557,7 +559,8 @@ def main(argv: list[str] | None = None) -> int:
     table = format_table(results, cfg, baselines)
     out = sys.stderr if a.json else sys.stdout
     print(f"\naiordma bench -- {machine()}", file=out)
-    print(f"loop={cfg.loop} provider={cfg.provider or 'default'} poll_mode="
+    print(f"aiordma build={native.build()} loop={cfg.loop} "
+          f"provider={cfg.provider or 'default'} poll_mode="
           f"{cfg.poll_mode or 'default'} iters={cfg.iters} window={cfg.window} "
           f"rate_window={cfg.rate_window} max_seconds={cfg.max_seconds:g}\n", file=out)
     print(table, file=out, flush=True)

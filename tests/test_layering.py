@@ -12,6 +12,7 @@ PKG = pathlib.Path(__file__).resolve().parent.parent / "aiordma"
 # layer (leaf modules such as errors are layer 0).
 LAYERS: dict[str, int] = {
     "errors": 0,
+    "native": 0,  # the build shim; build() imports its MODULES only when called
     "verbs": 1,
     "protocol": 1,
     "memory": 2,

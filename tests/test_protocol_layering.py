@@ -8,7 +8,7 @@ from pathlib import Path
 
 import aiordma.protocol
 
-ALLOWED = {"__future__", "struct", "enum", "dataclasses", "errno", "aiordma.errors"}
+ALLOWED = {"__future__", "struct", "enum", "dataclasses", "errno", "typing", "aiordma.errors"}
 PACKAGE = Path(aiordma.protocol.__file__).parent
 
 

@@ -54,12 +54,14 @@ Call order per outgoing frame: check ``can_send_*``, then ``consume()``, then
 
 from __future__ import annotations
 
+from typing import Final
+
 from .errors import LocalProtocolError, RemoteProtocolError
 from .framing import MAX_CREDITS
 
 __all__ = ["CreditState", "MIN_SLOTS"]
 
-MIN_SLOTS = 4
+MIN_SLOTS: Final = 4
 """Fewest receive buffers an endpoint may post (so ``local_slots - 1 >= threshold``)."""
 
 

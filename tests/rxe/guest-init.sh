@@ -75,6 +75,12 @@ if ! mount -t overlay overlay \
     echo "aiordma-rxe: overlayfs over 9p unavailable; the project is mounted read-only"
     mount --bind /run/project-ro "$PROJECT" || fail "bind-mount project"
 fi
+# A native build on the host (make native) is for the host's Python; the guest runs the
+# sources, so its extension modules go (from the overlay only: the host tree is untouched).
+if [ -n "$(find "$PROJECT/aiordma" -name '*.so' -print -quit)" ]; then
+    find "$PROJECT/aiordma" -name '*.so' -delete 2>/dev/null \
+        || fail "the host's native build (aiordma/**/*.so) is in the read-only project: make clean-native"
+fi
 
 # --- network -------------------------------------------------------------------------
 modprobe virtio_net || fail "modprobe virtio_net"

@@ -31,7 +31,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from itertools import islice
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Final, Protocol
 
 from . import cma, wire
 
@@ -39,17 +39,23 @@ if TYPE_CHECKING:
     from .cq import SoftCompChannel
     from .engine import Engine
 
-STAGE_SIZE = 256 * 1024
-DIRECT_MIN = 64 * 1024
-READ_BUDGET = 8 * 1024 * 1024
-IOV_CHUNK = 64
-CLOSE_LINGER_S = 2.0
+STAGE_SIZE: Final = 256 * 1024
+DIRECT_MIN: Final = 64 * 1024
+READ_BUDGET: Final = 8 * 1024 * 1024
+IOV_CHUNK: Final = 64
+CLOSE_LINGER_S: Final = 2.0
 
-CONNECTING, OPEN, CLOSING, CLOSED = range(4)
-CMA_UNKNOWN, CMA_PROBING, CMA_ON, CMA_OFF = range(4)
+CONNECTING: Final = 0
+OPEN: Final = 1
+CLOSING: Final = 2
+CLOSED: Final = 3
+CMA_UNKNOWN: Final = 0
+CMA_PROBING: Final = 1
+CMA_ON: Final = 2
+CMA_OFF: Final = 3
 
 _scratch = memoryview(bytearray(STAGE_SIZE))
-_HDR_UNPACK = wire.HDR.unpack_from
+_HDR_UNPACK: Final = wire.HDR.unpack_from
 
 
 class ConnOwner(Protocol):

@@ -30,7 +30,7 @@ import select
 import threading
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 from ...errors import CQOverrunError, RDMAError
 from ..api import CQ, AsyncEvent, CompChannel
@@ -45,13 +45,13 @@ if TYPE_CHECKING:
     from .context import SoftContext
     from .qpcore import QPCore as SoftQP
 
-_EPOLLIN = select.EPOLLIN
-_EPOLLOUT = select.EPOLLOUT
-_EPOLL_IN_ERR = select.EPOLLIN | select.EPOLLERR | select.EPOLLHUP
+_EPOLLIN: Final = select.EPOLLIN
+_EPOLLOUT: Final = select.EPOLLOUT
+_EPOLL_IN_ERR: Final = select.EPOLLIN | select.EPOLLERR | select.EPOLLHUP
 
-_ARM_NONE = 0
-_ARM_ANY = 1
-_ARM_SOLICITED = 2
+_ARM_NONE: Final = 0
+_ARM_ANY: Final = 1
+_ARM_SOLICITED: Final = 2
 
 
 class SoftCompChannel(CompChannel):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 from ...errors import PostError, RDMAError
 from ..api import QPAttr, QPCap
@@ -17,7 +17,6 @@ from ..wr import SGE, RecvWR, SendWR
 from . import limits, wire
 from .conn import Conn, Sink, discard
 from .qpcore import RWQE, SWQE
-from .requester import Requester
 from .responder import Responder
 
 if TYPE_CHECKING:
@@ -25,7 +24,7 @@ if TYPE_CHECKING:
     from .mr import SoftPD
 
 
-_WIRE_OP = {
+_WIRE_OP: Final = {
     WROpcode.SEND: wire.OP_SEND,
     WROpcode.SEND_WITH_IMM: wire.OP_SEND_IMM,
     WROpcode.RDMA_WRITE: wire.OP_WRITE,
@@ -34,18 +33,18 @@ _WIRE_OP = {
     WROpcode.ATOMIC_CMP_AND_SWP: wire.OP_CMP_SWP,
     WROpcode.ATOMIC_FETCH_AND_ADD: wire.OP_FETCH_ADD,
 }
-_RD_ATOMIC = frozenset({wire.OP_READ, wire.OP_CMP_SWP, wire.OP_FETCH_ADD})
+_RD_ATOMIC: Final = frozenset({wire.OP_READ, wire.OP_CMP_SWP, wire.OP_FETCH_ADD})
 # hot path: plain ints (flag-enum arithmetic builds a new enum object per operation)
-_INLINE = int(SendFlags.INLINE)
-_SIGNALED = int(SendFlags.SIGNALED)
-_FENCE = int(SendFlags.FENCE)
-_SOLICITED = int(SendFlags.SOLICITED)
-_FLAG_SOLICITED = wire.FLAG_SOLICITED
-_HDR_PACK = wire.HDR.pack
-_PSN_MASK = wire.PSN_MASK
-_M64 = 0xFFFFFFFFFFFFFFFF
+_INLINE: Final = int(SendFlags.INLINE)
+_SIGNALED: Final = int(SendFlags.SIGNALED)
+_FENCE: Final = int(SendFlags.FENCE)
+_SOLICITED: Final = int(SendFlags.SOLICITED)
+_FLAG_SOLICITED: Final = wire.FLAG_SOLICITED
+_HDR_PACK: Final = wire.HDR.pack
+_PSN_MASK: Final = wire.PSN_MASK
+_M64: Final = 0xFFFFFFFFFFFFFFFF
 
-_LEGAL = {
+_LEGAL: Final = {
     (QPState.RESET, QPState.INIT),
     (QPState.INIT, QPState.INIT),
     (QPState.INIT, QPState.RTR),
@@ -54,7 +53,7 @@ _LEGAL = {
 }
 
 
-class SoftQP(Requester, Responder):
+class SoftQP(Responder):
     def __init__(self, pd: SoftPD, send_cq: SoftCQ, recv_cq: SoftCQ, cap: QPCap) -> None:
         lim = limits.DEVICE_ATTR
         for name, value, top in (

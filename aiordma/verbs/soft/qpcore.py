@@ -8,14 +8,14 @@ Every method here runs with the device lock held.
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 from ..api import QP, AHAttr, AsyncEvent, QPCap
 from ..enums import Access, EventType, QPState, WCFlags, WCOpcode, WCStatus
 from ..wr import SGE, WC
 from . import wire
 
-_LOCAL_WRITE = int(Access.LOCAL_WRITE)
+_LOCAL_WRITE: Final = int(Access.LOCAL_WRITE)
 
 if TYPE_CHECKING:
     from .conn import Conn, Sink

@@ -8,6 +8,7 @@ fast path writes straight to the socket) or on the NIC thread.
 from __future__ import annotations
 
 import time
+from typing import Final
 
 from ..enums import QPState, WCStatus
 from . import cma, wire
@@ -15,12 +16,12 @@ from .conn import CLOSING, CONNECTING, OPEN, Conn, Sink, discard
 from .qpcore import SWQE, QPCore, scatter
 
 #: floor of the ACK timeout: a Python peer can stall this long (GC, GIL) and still be alive
-MIN_ACK_TIMEOUT_S = 1.0
+MIN_ACK_TIMEOUT_S: Final = 1.0
 #: how long requests wait for the connection the peer QP opens (wire: Connections)
 #: before this QP opens one itself
-PEER_CONNECT_WAIT_S = 0.05
+PEER_CONNECT_WAIT_S: Final = 0.05
 
-_NAK_STATUS = {
+_NAK_STATUS: Final = {
     wire.NAK_INV_REQ: WCStatus.REM_INV_REQ_ERR,
     wire.NAK_REM_ACCESS: WCStatus.REM_ACCESS_ERR,
     wire.NAK_REM_OP: WCStatus.REM_OP_ERR,

@@ -16,21 +16,23 @@ from __future__ import annotations
 
 import errno
 from collections.abc import Callable
+from typing import Final
 
 from ..enums import Access, EventType, QPState, WCOpcode, WCStatus
 from . import cma, wire
 from .conn import CLOSING, Conn, Sink, discard
-from .qpcore import QPCore, scatter
+from .qpcore import scatter
+from .requester import Requester
 
-_M64 = 0xFFFFFFFFFFFFFFFF
+_M64: Final = 0xFFFFFFFFFFFFFFFF
 
 
 
 #: the QP access flag each remote operation needs (checked before any MR)
-_REMOTE_WRITE = int(Access.REMOTE_WRITE)
-_REMOTE_READ = int(Access.REMOTE_READ)
-_REMOTE_ATOMIC = int(Access.REMOTE_ATOMIC)
-_QP_RIGHT = {
+_REMOTE_WRITE: Final = int(Access.REMOTE_WRITE)
+_REMOTE_READ: Final = int(Access.REMOTE_READ)
+_REMOTE_ATOMIC: Final = int(Access.REMOTE_ATOMIC)
+_QP_RIGHT: Final = {
     wire.OP_WRITE: _REMOTE_WRITE,
     wire.OP_WRITE_IMM: _REMOTE_WRITE,
     wire.OP_READ: _REMOTE_READ,
@@ -38,7 +40,7 @@ _QP_RIGHT = {
     wire.OP_FETCH_ADD: _REMOTE_ATOMIC,
 }
 
-class Responder(QPCore):
+class Responder(Requester):
     def _bind_resp(self, conn: Conn, src_qpn: int) -> bool:
         """Accept ``conn`` as this QP's responder connection if it comes from our peer QP."""
         if src_qpn != self._dest_qpn or self._state not in (QPState.RTR, QPState.RTS):
@@ -56,7 +58,7 @@ class Responder(QPCore):
             self._req_conn = conn  # our requests travel on the peer's connection
             conn.cma_start()
             if self._unsent and not self._conn_wait:
-                self._pump()  # type: ignore[attr-defined]
+                self._pump()
         elif req is not conn and not req.requests_sent and self._peer_connects():
             # Both QPs opened a connection (ours before the peer's arrived) and ours
             # carried nothing yet: the one opened by the smaller (port, QPN) serves both

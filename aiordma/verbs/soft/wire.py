@@ -61,49 +61,50 @@ go-back-N from p, and the responder drops everything until p arrives again.
 from __future__ import annotations
 
 import struct
+from typing import Final
 
-MAGIC = b"AIOSOFT1"
-VERSION = 2  # 2: the CMA probe and address-carrying READ/WRITE requests (cma.py)
+MAGIC: Final = b"AIOSOFT1"
+VERSION: Final = 2  # 2: the CMA probe and address-carrying READ/WRITE requests (cma.py)
 
-HELLO = struct.Struct("<8sHHII16s")
-HDR = struct.Struct("<BBHIIIIIQQQ")
+HELLO: Final = struct.Struct("<8sHHII16s")
+HDR: Final = struct.Struct("<BBHIIIIIQQQ")
 
 # requests
-OP_SEND = 1
-OP_SEND_IMM = 2
-OP_WRITE = 3
-OP_WRITE_IMM = 4
-OP_READ = 5
-OP_CMP_SWP = 6
-OP_FETCH_ADD = 7
+OP_SEND: Final = 1
+OP_SEND_IMM: Final = 2
+OP_WRITE: Final = 3
+OP_WRITE_IMM: Final = 4
+OP_READ: Final = 5
+OP_CMP_SWP: Final = 6
+OP_FETCH_ADD: Final = 7
 # responses
-OP_ACK = 16
-OP_NAK = 17
-OP_READ_RESP = 18
-OP_ATOMIC_RESP = 19
+OP_ACK: Final = 16
+OP_NAK: Final = 17
+OP_READ_RESP: Final = 18
+OP_ATOMIC_RESP: Final = 19
 # connection control (no PSN; handled by the connection itself)
-OP_CMA_PROBE = 32
-OP_CMA_ACK = 33
+OP_CMA_PROBE: Final = 32
+OP_CMA_ACK: Final = 33
 
-REQUEST_OPS = frozenset({OP_SEND, OP_SEND_IMM, OP_WRITE, OP_WRITE_IMM, OP_READ, OP_CMP_SWP,
+REQUEST_OPS: Final = frozenset({OP_SEND, OP_SEND_IMM, OP_WRITE, OP_WRITE_IMM, OP_READ, OP_CMP_SWP,
                          OP_FETCH_ADD})
-RESPONSE_OPS = frozenset({OP_ACK, OP_NAK, OP_READ_RESP, OP_ATOMIC_RESP})
-PAYLOAD_OPS = frozenset({OP_SEND, OP_SEND_IMM, OP_WRITE, OP_WRITE_IMM, OP_READ_RESP})
+RESPONSE_OPS: Final = frozenset({OP_ACK, OP_NAK, OP_READ_RESP, OP_ATOMIC_RESP})
+PAYLOAD_OPS: Final = frozenset({OP_SEND, OP_SEND_IMM, OP_WRITE, OP_WRITE_IMM, OP_READ_RESP})
 
 # flags
-FLAG_SOLICITED = 1
-FLAG_CMA = 2  # WRITE/READ by cross-memory attach (see above)
-CMA_OPS = frozenset({OP_WRITE, OP_WRITE_IMM, OP_READ})
-IOV_SIZE = 16
+FLAG_SOLICITED: Final = 1
+FLAG_CMA: Final = 2  # WRITE/READ by cross-memory attach (see above)
+CMA_OPS: Final = frozenset({OP_WRITE, OP_WRITE_IMM, OP_READ})
+IOV_SIZE: Final = 16
 
 # NAK syndromes (aux)
-NAK_RNR = 1
-NAK_INV_REQ = 2
-NAK_REM_ACCESS = 3
-NAK_REM_OP = 4
+NAK_RNR: Final = 1
+NAK_INV_REQ: Final = 2
+NAK_REM_ACCESS: Final = 3
+NAK_REM_OP: Final = 4
 
-PSN_MASK = 0xFFFFFF
-MAX_MSG = 1 << 31
+PSN_MASK: Final = 0xFFFFFF
+MAX_MSG: Final = 1 << 31
 
 
 def payload_len(h: tuple[int, ...]) -> int:
@@ -133,7 +134,7 @@ def pack(op: int, psn: int, length: int = 0, *, flags: int = 0, aux: int = 0, im
 
 
 #: IB min_rnr_timer encoding -> seconds (IBTA table 45).
-RNR_TIMER_S = (
+RNR_TIMER_S: Final = (
     655.36e-3, 0.01e-3, 0.02e-3, 0.03e-3, 0.04e-3, 0.06e-3, 0.08e-3, 0.12e-3,
     0.16e-3, 0.24e-3, 0.32e-3, 0.48e-3, 0.64e-3, 0.96e-3, 1.28e-3, 1.92e-3,
     2.56e-3, 3.84e-3, 5.12e-3, 7.68e-3, 10.24e-3, 15.36e-3, 20.48e-3, 30.72e-3,
