@@ -29,6 +29,7 @@ MODULES: tuple[str, ...] = (
     "aiordma.memory",
     "aiordma.protocol.credits",
     "aiordma.verbs.wr",
+    "aiordma.verbs.contract",
     "aiordma.verbs.soft.qpcore",
     "aiordma.verbs.soft.requester",
     "aiordma.verbs.soft.responder",
@@ -37,6 +38,7 @@ MODULES: tuple[str, ...] = (
     "aiordma.verbs.soft.cq",
     "aiordma.verbs.soft.wire",
     "aiordma.verbs.soft.mr",
+    "aiordma.verbs.soft.notify",
 )
 
 

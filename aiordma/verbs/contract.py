@@ -13,6 +13,7 @@ import errno
 from collections.abc import Iterable
 
 from ..errors import PostError, RDMAError, RegistrationError
+from ..native import mypyc_attr
 from .api import QPCap
 from .enums import Access, SendFlags, WROpcode
 from .wr import RecvWR, SendWR
@@ -26,6 +27,7 @@ _INLINE = int(SendFlags.INLINE)
 _OPCODES = {int(m): m for m in WROpcode}  # a dict look-up: cheaper than WROpcode(x)
 
 
+@mypyc_attr(native_class=False)  # two builtin bases (OSError, ValueError)
 class InvalidWorkRequest(PostError, ValueError):
     """A malformed work request (unknown opcode, too many SGEs, a negative length, a
     bad atomic operand, inline data where it is not allowed or too long). errno EINVAL;
