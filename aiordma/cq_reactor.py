@@ -24,18 +24,19 @@ provider, which copies them):
 
 Poll policy (``AIORDMA_POLL_MODE``, ``AIORDMA_SPIN_US``):
 
-* ``blocking`` (default): after draining, arm and return to the loop (spin 0). Chosen
-  from measurements (README, Benchmarks): on a 2-core machine shared with other work
-  the spinning modes cut a 64 B round trip by a quarter to a third but cost 1.5-2x the
-  CPU per operation, and spinning processes that compete for the cores can make it
-  several times worse; ``polling`` never sleeps while receives are posted.
-* ``hybrid``: after a wake-up or a post, keep the *loop* from sleeping for ``spin_us``
-  microseconds (extended by every completion found): a callback re-scheduled with
-  ``call_soon`` polls the CQs (providers with manual progress need no poll: the loop's
-  own zero-timeout poll of every iteration sees their fd), so the tasks that the
-  completions woke run between polls -- a spin *inside* one callback would hold them
-  back until the budget is spent. The CQ stays armed, so nothing is lost when the
-  spin ends; it costs CPU only for ``spin_us`` after the last activity.
+* ``blocking``: after draining, arm and return to the loop (spin 0).
+* ``hybrid`` (default, ``spin_us`` 300): after a wake-up or a post, keep the *loop* from
+  sleeping for ``spin_us`` microseconds (extended by every completion found): a
+  callback re-scheduled with ``call_soon`` polls the CQs (providers with manual progress
+  need no poll: the loop's own zero-timeout poll of every iteration sees their fd), so
+  the tasks that the completions woke run between polls -- a spin *inside* one callback
+  would hold them back until the budget is spent. The CQ stays armed, so nothing is lost
+  when the spin ends; it costs CPU only for ``spin_us`` after the last activity. Chosen
+  from measurements (README, "Poll mode"): on the 2-vCPU benchmark machine a sleeping
+  loop's wake-up costs more than the spin, so hybrid cut a 64 B round trip 3-4x (native
+  build) and its CPU per operation too; with more busy processes than cores it stays
+  faster than ``blocking`` but costs up to 3x the CPU per operation (then choose
+  ``blocking``).
 * ``polling``: while operations are outstanding, poll once per loop iteration
   (``call_soon``), never arming; when nothing is outstanding, arm and block.
 
@@ -62,8 +63,8 @@ from .verbs import CQ, WC, CompChannel, Context, WCStatus
 Handler = Callable[[WC, Any], None]
 
 MODES: Final = ("blocking", "hybrid", "polling")
-DEFAULT_MODE: Final = "blocking"
-DEFAULT_SPIN_US: Final = 20
+DEFAULT_MODE: Final = "hybrid"
+DEFAULT_SPIN_US: Final = 300
 _POLL_BATCH: Final = 32
 _ACK_BATCH: Final = 64
 
