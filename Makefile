@@ -7,7 +7,7 @@ COUNT ?= 200
 
 _NATIVE_SO = $(wildcard aiordma/*.so aiordma/*/*.so aiordma/*/*/*.so)
 
-.PHONY: native clean-native test-native setup echo test test-fast test-rxe test-rxe-bookworm test-rxe-compat lint bench bench-rxe clean
+.PHONY: native native-prereqs clean-native test-native setup echo test test-fast test-rxe test-rxe-bookworm test-rxe-compat lint bench bench-rxe clean
 
 $(VENV)/.stamp: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -40,7 +40,16 @@ clean: clean-native
 
 ## Optional native build (setup.py): the hot path compiled with mypyc, in place; Python
 ## imports the extensions instead of the sources until `make clean-native`.
-native: setup
+# A C compiler and the headers of the venv's Python; installed with apt-get when missing.
+native-prereqs:
+	@if ! command -v cc >/dev/null 2>&1 || ! $(PYTHON) -c 'import os, sys, sysconfig; \
+		sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))'; then \
+		command -v apt-get >/dev/null 2>&1 || { echo "make native: needs a C compiler and Python's headers"; exit 1; }; \
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq gcc python3-dev; \
+	fi
+
+native: setup native-prereqs
 	AIORDMA_MYPYC=1 $(PY) setup.py -q build_ext --inplace
 	$(PY) -c "import aiordma.native as n; b = n.build(); print('aiordma build:', b); raise SystemExit(b != 'mypyc')"
 
@@ -50,7 +59,7 @@ clean-native:
 ## The fast tier on the native build, in a copy of the working tree (build/native-tree)
 ## so that this tree stays as it is; lint ran in test-fast.
 NATIVE_TREE := build/native-tree
-test-native: setup
+test-native: setup native-prereqs
 	rm -rf $(NATIVE_TREE) && mkdir -p $(NATIVE_TREE)
 	tar --exclude=./.venv --exclude=./.git --exclude=./build --exclude='*.so' -cf - . \
 		| tar -xf - -C $(NATIVE_TREE)

@@ -1516,21 +1516,20 @@ class Endpoint:
             region.close()
         for name in ("_qp", "_staging_out", "_staging_in", "_spool", "_rpool"):
             obj = getattr(self, name, None)
-            if obj is not None:
-                delattr(self, name)
+            if obj is None:
+                continue
+            delattr(self, name)
             if isinstance(obj, StagingCache):
                 self._staging_registered += obj.registrations  # (statistics)
-            if obj is not None:
-                try:
-                    obj.close()
-                except RDMAError as exc:
-                    log.warning("aiordma: closing %s failed: %s", name, exc)
+            try:
+                obj.close()
+            except RDMAError as exc:
+                log.warning("aiordma: closing %s failed: %s", name, exc)
         if hasattr(self, "_cq"):
             self._reactor.release_cq(self._cq, self._cq_entries)
         pd = getattr(self, "_pd", None)
         if pd is not None:
             delattr(self, "_pd")
-        if pd is not None:
             try:
                 pd.close()
             except RDMAError as exc:
