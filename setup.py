@@ -30,6 +30,7 @@ ext_modules = []
 if os.environ.get("AIORDMA_MYPYC") == "1":
     from mypyc.build import mypycify
 
+    # group "aiordma._native": one shared library, aiordma/_native__mypyc (native.SHARED_LIB)
     ext_modules = mypycify(native_modules(), opt_level="3", group_name="aiordma._native")
 
 setup(ext_modules=ext_modules)

@@ -31,6 +31,7 @@ from .errors import (
     RNRRetryExceededError,
 )
 from .memory import MemoryRegion, RemoteBuffer
+from .native import warn_if_stale as _warn_if_stale
 from .transport import Endpoint, Listener, connect, listen
 from .verbs import DeviceInfo, PortInfo
 
@@ -46,6 +47,9 @@ def list_devices() -> list[DeviceInfo]:
     from .verbs import list_devices as _list
 
     return _list()
+
+
+_warn_if_stale()
 
 
 def __getattr__(name: str) -> Any:

@@ -6,7 +6,10 @@ that tells mypyc how to compile a class (a no-op where mypy_extensions is absent
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING
+import importlib.machinery
+import os
+import warnings
+from typing import TYPE_CHECKING, Final
 
 if TYPE_CHECKING:
     from mypy_extensions import mypyc_attr
@@ -19,7 +22,8 @@ else:
             return lambda cls: cls
 
 
-__all__ = ["mypyc_attr", "MODULES", "compiled_modules", "build"]
+__all__ = ["mypyc_attr", "MODULES", "compiled_modules", "build", "stale_modules",
+           "warn_if_stale"]
 
 #: the modules ``make native`` compiles (setup.py reads this list)
 MODULES: tuple[str, ...] = (
@@ -58,3 +62,57 @@ def build() -> str:
     none does, ``"mixed"`` otherwise (a partial or stale build)."""
     n = len(compiled_modules())
     return "mypyc" if n == len(MODULES) else "python" if n == 0 else "mixed"
+
+
+#: the shared library of the compiled modules (setup.py's mypyc group name)
+SHARED_LIB: Final = "aiordma._native__mypyc"
+
+#: a source counts as edited after its extension only if newer by more than this (files
+#: unpacked together, as by an install, may differ by a little)
+STALE_AFTER_S = 2.0
+
+
+def stale_modules(root: str | None = None) -> list[str]:
+    """The modules of ``MODULES`` whose compiled extension, next to the source where
+    ``make native`` leaves it, is older than the source: Python imports the extension,
+    so the process would run the code of before the edit. ``root`` is the directory
+    that holds the ``aiordma`` package (default: this one's). Imports nothing."""
+    if root is None:
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    # Each module's extension is a small shim that mypyc's build leaves alone when it did
+    # not change; the compiled code itself is in the group's shared library (setup.py).
+    built = 0.0
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        try:
+            built = os.path.getmtime(os.path.join(root, *SHARED_LIB.split(".")) + suffix)
+            break
+        except OSError:
+            continue
+    out = []
+    for name in MODULES:
+        base = os.path.join(root, *name.split("."))
+        try:
+            src_mtime = os.path.getmtime(base + ".py")
+        except OSError:
+            continue
+        for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+            try:
+                ext_mtime = os.path.getmtime(base + suffix)
+            except OSError:
+                continue
+            if src_mtime - max(ext_mtime, built) > STALE_AFTER_S:
+                out.append(name)
+            break
+    return out
+
+
+def warn_if_stale(root: str | None = None) -> list[str]:
+    """Emit a RuntimeWarning naming the ``stale_modules(root)``, if any; return them.
+    ``import aiordma`` calls it once."""
+    stale = stale_modules(root)
+    if stale:
+        warnings.warn(
+            f"aiordma: the native build is older than the sources of {', '.join(stale)}: "
+            "this process runs the compiled code of before the edit (make native rebuilds "
+            "it, make clean-native removes it)", RuntimeWarning, stacklevel=2)
+    return stale
