@@ -24,19 +24,21 @@ provider, which copies them):
 
 Poll policy (``AIORDMA_POLL_MODE``, ``AIORDMA_SPIN_US``):
 
-* ``blocking``: after draining, arm and return to the loop (spin 0).
-* ``hybrid`` (default, ``spin_us`` 300): after a wake-up or a post, keep the *loop* from
+* ``blocking`` (default): after draining, arm and return to the loop (spin 0). Chosen
+  from measurements (README, "Poll mode"): on free cores ``hybrid`` cut a 64 B round
+  trip 3-4x and its CPU per operation too, but with other work on the cores (a test
+  suite running beside it) the same round trip took 7x longer than ``blocking`` (713
+  against 105 us): each side spun out its budget while the other waited for a core. A
+  default must not fall off that cliff; ``hybrid`` is for dedicated cores.
+* ``hybrid`` (``spin_us`` default 300): after a wake-up or a post, keep the *loop* from
   sleeping for ``spin_us`` microseconds (extended by every completion found): a
   callback re-scheduled with ``call_soon`` polls the CQs (providers with manual progress
   need no poll: the loop's own zero-timeout poll of every iteration sees their fd), so
   the tasks that the completions woke run between polls -- a spin *inside* one callback
   would hold them back until the budget is spent. The CQ stays armed, so nothing is lost
-  when the spin ends; it costs CPU only for ``spin_us`` after the last activity. Chosen
-  from measurements (README, "Poll mode"): on the 2-vCPU benchmark machine a sleeping
-  loop's wake-up costs more than the spin, so hybrid cut a 64 B round trip 3-4x (native
-  build) and its CPU per operation too; with more busy processes than cores it stays
-  faster than ``blocking`` but costs up to 3x the CPU per operation (then choose
-  ``blocking``).
+  when the spin ends; it costs CPU only for ``spin_us`` after the last activity. The
+  spin must outlast the peer's turnaround to save its wake-up (pure build: about 100 us
+  here, native build: about 25 us).
 * ``polling``: while operations are outstanding, poll once per loop iteration
   (``call_soon``), never arming; when nothing is outstanding, arm and block.
 
@@ -63,7 +65,7 @@ from .verbs import CQ, WC, CompChannel, Context, WCStatus
 Handler = Callable[[WC, Any], None]
 
 MODES: Final = ("blocking", "hybrid", "polling")
-DEFAULT_MODE: Final = "hybrid"
+DEFAULT_MODE: Final = "blocking"
 DEFAULT_SPIN_US: Final = 300
 _POLL_BATCH: Final = 32
 _ACK_BATCH: Final = 64
