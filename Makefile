@@ -49,8 +49,11 @@ native-prereqs:
 		$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq gcc python3-dev; \
 	fi
 
+# Compile aiordma.native.MODULES in place, in the current directory's tree.
+BUILD_NATIVE = AIORDMA_MYPYC=1 $(abspath $(PY)) setup.py -q build_ext --inplace
+
 native: setup native-prereqs
-	AIORDMA_MYPYC=1 $(PY) setup.py -q build_ext --inplace
+	$(BUILD_NATIVE)
 	$(PY) -c "import aiordma.native as n; b = n.build(); print('aiordma build:', b); raise SystemExit(b != 'mypyc')"
 
 clean-native:
@@ -63,8 +66,7 @@ test-native: setup native-prereqs
 	rm -rf $(NATIVE_TREE) && mkdir -p $(NATIVE_TREE)
 	tar --exclude=./.venv --exclude=./.git --exclude=./build --exclude='*.so' -cf - . \
 		| tar -xf - -C $(NATIVE_TREE)
-	cd $(NATIVE_TREE) && AIORDMA_MYPYC=1 $(abspath $(PY)) setup.py -q build_ext --inplace \
-		>build.log 2>&1 || { tail -50 build.log; exit 1; }
+	cd $(NATIVE_TREE) && $(BUILD_NATIVE) >build.log 2>&1 || { tail -50 build.log; exit 1; }
 	cd $(NATIVE_TREE) && AIORDMA_PROVIDER=soft AIORDMA_EXPECT_BUILD=mypyc \
 		$(abspath $(PY)) -m pytest -q -p no:cacheprovider -m "not lint"
 

@@ -18,7 +18,7 @@ else:
         from mypy_extensions import mypyc_attr
     except ImportError:  # a pure-Python install: the decorator only matters to mypyc
 
-        def mypyc_attr(*args: object, **kwargs: object):  # noqa: ANN202
+        def mypyc_attr(*args: object, **kwargs: object):
             return lambda cls: cls
 
 
@@ -72,6 +72,17 @@ SHARED_LIB: Final = "aiordma._native__mypyc"
 STALE_AFTER_S = 2.0
 
 
+def _extension_mtime(base: str) -> float | None:
+    """The modification time of the extension module ``base`` + one of this Python's
+    extension suffixes, or None where there is none."""
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        try:
+            return os.path.getmtime(base + suffix)
+        except OSError:
+            continue
+    return None
+
+
 def stale_modules(root: str | None = None) -> list[str]:
     """The modules of ``MODULES`` whose compiled extension, next to the source where
     ``make native`` leaves it, is older than the source: Python imports the extension,
@@ -81,28 +92,19 @@ def stale_modules(root: str | None = None) -> list[str]:
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     # Each module's extension is a small shim that mypyc's build leaves alone when it did
     # not change; the compiled code itself is in the group's shared library (setup.py).
-    built = 0.0
-    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-        try:
-            built = os.path.getmtime(os.path.join(root, *SHARED_LIB.split(".")) + suffix)
-            break
-        except OSError:
-            continue
+    built = _extension_mtime(os.path.join(root, *SHARED_LIB.split("."))) or 0.0
     out = []
     for name in MODULES:
         base = os.path.join(root, *name.split("."))
+        ext_mtime = _extension_mtime(base)
+        if ext_mtime is None:
+            continue
         try:
             src_mtime = os.path.getmtime(base + ".py")
         except OSError:
             continue
-        for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-            try:
-                ext_mtime = os.path.getmtime(base + suffix)
-            except OSError:
-                continue
-            if src_mtime - max(ext_mtime, built) > STALE_AFTER_S:
-                out.append(name)
-            break
+        if src_mtime - max(ext_mtime, built) > STALE_AFTER_S:
+            out.append(name)
     return out
 
 
