@@ -39,6 +39,27 @@ Poll policy (``AIORDMA_POLL_MODE``, ``AIORDMA_SPIN_US``):
   when the spin ends; it costs CPU only for ``spin_us`` after the last activity. The
   spin must outlast the peer's turnaround to save its wake-up (pure build: about 100 us
   here, native build: about 25 us).
+
+  The spin adapts; it goes *quiet* (behaves as ``blocking``) for a back-off time when
+
+  - it was **preempted**: a gap of more than ``_PREEMPT_GAP_S`` between two spin ticks
+    makes it read the thread's CPU time (``time.thread_time``). A spinning thread never
+    sleeps, so wall time minus CPU time is time it waited for a core ("stolen"). Summed
+    over the spin time since the last quiet period (both sums halved whenever the spin
+    time passes ``_WINDOW_S``), stolen time above ``_STOLEN_MIN_S`` and above
+    ``_STOLEN_SHARE`` of the spin time means the cores are oversubscribed: a spinner
+    then holds a core that someone (often its peer, or the process that will answer it)
+    is waiting for -- the contention cliff above. The occasional preemption by a kernel
+    thread on free cores stays below the share;
+  - it **missed** ``_MISS_LIMIT`` times in a row: spins that ran out their budget
+    without a completion arriving. Either the peer answers slower than the budget, and
+    every spin is wasted CPU, or the peer cannot answer *because* of the spin: it waits
+    for the core the spinner holds (the spinner is not preempted, the peer starves).
+
+  The back-off starts at ``_BACKOFF_MIN_S`` and doubles (up to ``_BACKOFF_MAX_S``) while
+  the first spin after a quiet period is preempted or misses again (within one back-off
+  of its end); a later one starts from the minimum again. ``statistics()`` counts
+  ``spin_preempted``, ``spin_missed`` and ``quiet_periods``.
 * ``polling``: while operations are outstanding, poll once per loop iteration
   (``call_soon``), never arming; when nothing is outstanding, arm and block.
 
@@ -68,6 +89,14 @@ MODES: Final = ("blocking", "hybrid", "polling")
 DEFAULT_MODE: Final = "blocking"
 DEFAULT_SPIN_US: Final = 300
 _POLL_BATCH: Final = 32
+# hybrid's adaptive spin (see the module docstring)
+_PREEMPT_GAP_S: Final = 100e-6
+_MISS_LIMIT: Final = 8
+_BACKOFF_MIN_S: Final = 5e-3
+_BACKOFF_MAX_S: Final = 0.5
+_STOLEN_MIN_S: Final = 500e-6
+_STOLEN_SHARE: Final = 0.1
+_WINDOW_S: Final = 0.05
 _ACK_BATCH: Final = 64
 
 
@@ -145,10 +174,23 @@ class CQReactor:
         self._poll_scheduled = False
         self._spin_scheduled = False
         self._spin_deadline = 0.0
+        self._spin_last = 0.0  # time of the spin's last tick
+        self._spin_hit = False  # a completion arrived during this spin
+        self._spin_cpu = 0.0  # thread CPU time at the last preemption check
+        self._spin_wall = 0.0  # and wall time then
+        self._stolen_sum = 0.0  # time spent waiting for a core while spinning
+        self._spun_sum = 0.0  # time spent spinning (both since the last quiet period)
+        self._spin_misses = 0  # spins in a row that ran out without a completion
+        self._quiet_until = float("-inf")  # hybrid does not spin before this time
+        self._backoff = _BACKOFF_MIN_S
+        self.thread_time: Callable[[], float] = time.thread_time
         self._expedite = False
         # statistics
         self.wakeups = 0
         self.spins = 0
+        self.spin_preempted = 0
+        self.spin_missed = 0
+        self.quiet_periods = 0
         self.polls = 0
         self.completions = 0
         self.spin_hits = 0
@@ -277,6 +319,9 @@ class CQReactor:
         and usually one poll; polling before arming too cost a second poll and a failed
         read, each a system call or a pyverbs call on a real device.)"""
         self.wakeups += 1
+        if self._spin_scheduled:  # the spin saved this wake-up's sleep
+            self._spin_hit = True
+            self.spin_hits += 1
         if slot.channel.get_event() is not None:
             slot.unacked += 1
             if slot.unacked >= _ACK_BATCH:
@@ -333,10 +378,17 @@ class CQReactor:
                 })
 
     def _spin_from_now(self) -> None:
-        """hybrid: keep the loop polling for ``spin_us`` from now."""
-        self._spin_deadline = time.perf_counter() + self.spin_us * 1e-6
+        """hybrid: keep the loop polling for ``spin_us`` from now (unless quiet)."""
+        now = time.perf_counter()
+        if now < self._quiet_until:
+            return
+        self._spin_deadline = now + self.spin_us * 1e-6
         if not self._spin_scheduled and not self._closed:
             self._spin_scheduled = True
+            self._spin_last = now
+            self._spin_hit = False
+            self._spin_wall = now
+            self._spin_cpu = self.thread_time()
             self.spins += 1
             self.loop.call_soon(self._spin_tick)
 
@@ -344,17 +396,60 @@ class CQReactor:
         self._spin_scheduled = False
         if self._closed:
             return
+        now = time.perf_counter()
+        if now - self._spin_last > _PREEMPT_GAP_S and self._preempted(now):
+            self.spin_preempted += 1
+            self._go_quiet(now)
+            return
         found = 0
         for slot in self._slots:
             if slot.progress is None:  # manual progress: the loop's own poll sees the fd
                 found += self._drain(slot)
         now = time.perf_counter()
+        self._spin_last = now
         if found:
+            self._spin_hit = True
             self.spin_hits += 1
             self._spin_deadline = now + self.spin_us * 1e-6
         if now < self._spin_deadline:
             self._spin_scheduled = True
             self.loop.call_soon(self._spin_tick)
+        elif self._spin_hit:
+            self._spin_misses = 0
+        else:
+            self.spin_missed += 1
+            self._spin_misses += 1
+            if self._spin_misses >= _MISS_LIMIT:
+                self._spin_misses = _MISS_LIMIT - 1  # the probe after the quiet decides
+                self._go_quiet(now)
+
+    def _preempted(self, now: float) -> bool:
+        """Has this thread waited for a core for a large share of its recent spinning
+        (see the module docstring)? Moves the check's baseline to now."""
+        cpu = self.thread_time()
+        wall = now - self._spin_wall
+        stolen = self._stolen_sum + wall - (cpu - self._spin_cpu)
+        spun = self._spun_sum + wall
+        self._spin_wall = now
+        self._spin_cpu = cpu
+        if spun > _WINDOW_S:
+            spun *= 0.5
+            stolen *= 0.5
+        self._spun_sum = spun
+        self._stolen_sum = stolen
+        return stolen > _STOLEN_MIN_S and stolen > _STOLEN_SHARE * spun
+
+    def _go_quiet(self, now: float) -> None:
+        """Stop spinning until ``now`` + the back-off: doubled when the last quiet
+        period ended less than one back-off ago (the probe after it failed too), the
+        minimum again otherwise."""
+        if now - self._quiet_until < self._backoff:
+            self._backoff = min(self._backoff * 2, _BACKOFF_MAX_S)
+        else:
+            self._backoff = _BACKOFF_MIN_S
+        self._quiet_until = now + self._backoff
+        self._stolen_sum = self._spun_sum = 0.0
+        self.quiet_periods += 1
 
     def _schedule_poll(self) -> None:
         if not self._poll_scheduled and not self._closed:
@@ -394,14 +489,19 @@ class CQReactor:
 
     # -- lifecycle -------------------------------------------------------------------
     def statistics(self) -> dict[str, Any]:
-        """Counters: wakeups, spins, spin_hits, polls, completions, completions per
-        wake-up, outstanding WRs, CQs, mode and spin budget."""
+        """Counters: wakeups, spins, spin_hits (completions a spin caught), spin_preempted
+        and spin_missed (spins ended by preemption, or run out without a completion),
+        quiet_periods (hybrid's back-offs), polls, completions, completions per wake-up,
+        outstanding WRs, CQs, mode and spin budget."""
         return {
             "mode": self.mode,
             "spin_us": self.spin_us,
             "wakeups": self.wakeups,
             "spins": self.spins,
             "spin_hits": self.spin_hits,
+            "spin_preempted": self.spin_preempted,
+            "spin_missed": self.spin_missed,
+            "quiet_periods": self.quiet_periods,
             "polls": self.polls,
             "completions": self.completions,
             "completions_per_wakeup": self.completions / self.wakeups if self.wakeups else 0.0,

@@ -420,7 +420,9 @@ class Endpoint:
 
     def statistics(self) -> dict[str, Any]:
         """Counters and queue levels of this endpoint (also after it is closed: the
-        counters keep their last values)."""
+        counters keep their last values). ``reactor``: the statistics of the CQ
+        reactor this endpoint shares with the device's other endpoints on its loop
+        (poll mode, spins, quiet periods; ``CQReactor.statistics``)."""
         c = self._credits
         staging = [getattr(self, name, None) for name in ("_staging_in", "_staging_out")]
         registered = self._staging_registered + sum(st.registrations for st in staging
@@ -440,6 +442,7 @@ class Endpoint:
             "rx_queued": len(self._rx),
             "staging_registrations": registered,
             "work_requests_posted": self.work_requests_posted,
+            "reactor": self._reactor.statistics(),
         }
 
     # ---------------------------------------------------------------- memory

@@ -8,11 +8,12 @@ re-arm must still be dispatched (the re-arm-then-drain rule), and the tests woul
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import pytest
 
-from aiordma.cq_reactor import CQReactor, future_handler, poll_settings
+from aiordma.cq_reactor import _MISS_LIMIT, CQReactor, future_handler, poll_settings
 from aiordma.errors import RemoteAccessError
 from aiordma.verbs import WC, WCOpcode, WCStatus
 from benchmarks.fakecq import FakeCQ, FakeCtx
@@ -107,3 +108,93 @@ def test_poll_settings(monkeypatch: pytest.MonkeyPatch) -> None:
         poll_settings("fast")
     with pytest.raises(ValueError):
         poll_settings("hybrid", -1)
+
+
+# -- hybrid's adaptive spin ------------------------------------------------------------
+async def _spin_ends(r: CQReactor, limit_s: float = 2.0) -> None:
+    """Yield to the loop until the reactor's spin has stopped (bounded)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + limit_s
+    while r.statistics()["spins"] and r._spin_scheduled:
+        assert loop.time() < deadline, "the spin never ended"
+        await asyncio.sleep(0)
+
+
+async def test_hybrid_goes_quiet_when_its_spin_waits_for_a_core() -> None:
+    """A gap between spin ticks in which the thread got no CPU (here: a thread clock
+    that stands still while the loop is held up for 2 ms) ends the spin, and posts
+    stop spinning until the back-off has passed; then the spin comes back."""
+    loop = asyncio.get_running_loop()
+    r = CQReactor(FakeCtx(), loop, mode="hybrid", spin_us=1_000_000)  # type: ignore[arg-type]
+    r.acquire_cq(8)
+    frozen = time.thread_time()
+    r.thread_time = lambda: frozen
+    r.poke()
+    assert r.statistics()["spins"] == 1
+    await asyncio.sleep(0)
+    time.sleep(0.002)  # the loop is held up; the thread "waits for a core"
+    await _spin_ends(r)
+    st = r.statistics()
+    assert st["spin_preempted"] == 1 and st["quiet_periods"] == 1
+    r.poke()  # quiet: no new spin
+    assert r.statistics()["spins"] == 1 and not r._spin_scheduled
+    await asyncio.sleep(0.02)  # past the first back-off (5 ms)
+    r.thread_time = time.thread_time
+    r.poke()
+    assert r.statistics()["spins"] == 2 and r._spin_scheduled
+    r.close()
+
+
+async def test_hybrid_keeps_spinning_through_gaps_that_used_the_cpu() -> None:
+    """The same gap with the thread clock running (the time went to work on this
+    thread, not to waiting for a core) does not end the spin."""
+    loop = asyncio.get_running_loop()
+    r = CQReactor(FakeCtx(), loop, mode="hybrid", spin_us=1_000_000)  # type: ignore[arg-type]
+    cq: FakeCQ = r.acquire_cq(8)  # type: ignore[assignment]
+    r.thread_time = time.perf_counter  # every second of wall time was CPU time
+    r.poke()
+    for _ in range(3):
+        await asyncio.sleep(0)
+        time.sleep(0.002)
+    fut = loop.create_future()
+    cq.add(_wc(r.register(future_handler, fut)))
+    await asyncio.wait_for(fut, 2)
+    st = r.statistics()
+    assert st["spin_preempted"] == 0 and st["quiet_periods"] == 0 and r._spin_scheduled
+    assert st["spin_hits"] >= 1
+    r.close()
+
+
+async def test_hybrid_goes_quiet_after_missed_spins_and_backs_off_further() -> None:
+    """Spins that run out without a completion (_MISS_LIMIT in a row) go quiet; the
+    probe after the quiet period misses too, so the next quiet period is twice as long.
+    A spin that catches a completion resets the count."""
+    loop = asyncio.get_running_loop()
+    r = CQReactor(FakeCtx(), loop, mode="hybrid", spin_us=200)  # type: ignore[arg-type]
+    cq: FakeCQ = r.acquire_cq(8)  # type: ignore[assignment]
+    r.thread_time = time.perf_counter  # no stolen time: only misses count here
+    for _ in range(_MISS_LIMIT - 1):
+        r.poke()
+        await _spin_ends(r)
+    fut = loop.create_future()
+    r.poke()
+    cq.add(_wc(r.register(future_handler, fut)))  # this spin catches a completion
+    await asyncio.wait_for(fut, 2)
+    await _spin_ends(r)
+    assert r.statistics()["quiet_periods"] == 0
+    for _ in range(_MISS_LIMIT):
+        r.poke()
+        await _spin_ends(r)
+    st = r.statistics()
+    assert st["quiet_periods"] == 1 and st["spin_missed"] == 2 * _MISS_LIMIT - 1
+    spins = st["spins"]
+    r.poke()
+    assert r.statistics()["spins"] == spins  # quiet
+    first = r._backoff
+    await asyncio.sleep(first + 0.001)
+    r.poke()  # the probe
+    await _spin_ends(r)
+    st = r.statistics()
+    assert st["spins"] == spins + 1 and st["quiet_periods"] == 2
+    assert r._backoff == 2 * first
+    r.close()

@@ -98,6 +98,9 @@ async def test_a_second_poll_mode_on_the_same_loop_is_refused(opts: dict) -> Non
             srv2 = await server_ep(q)
             await asyncio.wait_for(ep2.send(b"x"), T)
             assert await asyncio.wait_for(srv2.recv(), T) == b"x"
+            rst = ep2.statistics()["reactor"]
+            assert (rst["mode"], rst["spin_us"]) == ("hybrid", 30)
+            assert rst == ep.statistics()["reactor"] | {"outstanding": rst["outstanding"]}
             await asyncio.wait_for(ep2.close(), T)
         await asyncio.wait_for(ep.send(b"still"), T)
         assert await asyncio.wait_for(srv.recv(), T) == b"still"
