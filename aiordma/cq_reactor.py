@@ -24,13 +24,9 @@ provider, which copies them):
 
 Poll policy (``AIORDMA_POLL_MODE``, ``AIORDMA_SPIN_US``):
 
-* ``blocking`` (default): after draining, arm and return to the loop (spin 0). Chosen
-  from measurements (README, "Poll mode"): on free cores ``hybrid`` cut a 64 B round
-  trip 3-4x and its CPU per operation too, but with other work on the cores (a test
-  suite running beside it) the same round trip took 7x longer than ``blocking`` (713
-  against 105 us): each side spun out its budget while the other waited for a core. A
-  default must not fall off that cliff; ``hybrid`` is for dedicated cores.
-* ``hybrid`` (``spin_us`` default 300): after a wake-up or a post, keep the *loop* from
+* ``blocking``: after draining, arm and return to the loop (spin 0). The least CPU
+  when nothing is waiting for an answer; every completion costs a wake-up.
+* ``hybrid`` (default; ``spin_us`` default 300): after a wake-up or a post, keep the *loop* from
   sleeping for ``spin_us`` microseconds (extended by every completion found): a
   callback re-scheduled with ``call_soon`` polls the CQs (providers with manual progress
   need no poll: the loop's own zero-timeout poll of every iteration sees their fd), so
@@ -49,7 +45,7 @@ Poll policy (``AIORDMA_POLL_MODE``, ``AIORDMA_SPIN_US``):
     time passes ``_WINDOW_S``), stolen time above ``_STOLEN_MIN_S`` and above
     ``_STOLEN_SHARE`` of the spin time means the cores are oversubscribed: a spinner
     then holds a core that someone (often its peer, or the process that will answer it)
-    is waiting for -- the contention cliff above. The occasional preemption by a kernel
+    is waiting for (the contention cliff below). The occasional preemption by a kernel
     thread on free cores stays below the share;
   - it **missed** ``_MISS_LIMIT`` times in a row: spins that ran out their budget
     without a completion arriving. Either the peer answers slower than the budget, and
@@ -60,6 +56,13 @@ Poll policy (``AIORDMA_POLL_MODE``, ``AIORDMA_SPIN_US``):
   the first spin after a quiet period is preempted or misses again (within one back-off
   of its end); a later one starts from the minimum again. ``statistics()`` counts
   ``spin_preempted``, ``spin_missed`` and ``quiet_periods``.
+
+  Why it is the default (README, "Poll mode"): on free cores it cuts a 64 B round trip
+  2-4x against ``blocking``, with no more CPU per operation (waking a sleeping process
+  costs more than the spin). A spin that does not adapt falls off a cliff when the
+  cores are shared: with a test suite running beside a ping-pong, each side spun out
+  its budget while the other waited for a core, 713 against 105 us per round trip. The
+  adaptive spin stays with ``blocking`` there (about 100-160 us both).
 * ``polling``: while operations are outstanding, poll once per loop iteration
   (``call_soon``), never arming; when nothing is outstanding, arm and block.
 
@@ -86,7 +89,7 @@ from .verbs import CQ, WC, CompChannel, Context, WCStatus
 Handler = Callable[[WC, Any], None]
 
 MODES: Final = ("blocking", "hybrid", "polling")
-DEFAULT_MODE: Final = "blocking"
+DEFAULT_MODE: Final = "hybrid"
 DEFAULT_SPIN_US: Final = 300
 _POLL_BATCH: Final = 32
 # hybrid's adaptive spin (see the module docstring)
