@@ -237,7 +237,9 @@ class Endpoint:
             self._rpool = SlotPool(self._pd, self._eager, self._recv_depth)
             self._spool = SlotPool(self._pd, self._eager, self._send_depth)
             self._staging_out = StagingCache(self._pd, Access.LOCAL_WRITE | Access.REMOTE_READ)
-            self._staging_in = StagingCache(self._pd, Access.LOCAL_WRITE)
+            # READ targets: shared memory where the provider fills it by a plain copy
+            self._staging_in = StagingCache(self._pd, Access.LOCAL_WRITE,
+                                            shared=self._pd.context.maps_shared_memory)
             self._qp = self._pd.create_qp(self._cq, self._cq, QPCap(
                 max_send_wr=self._send_depth, max_recv_wr=self._recv_depth,
                 max_send_sge=1, max_recv_sge=1, max_inline_data=self._inline_cap))

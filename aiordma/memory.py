@@ -22,7 +22,7 @@ from typing import Any, ClassVar, Final
 
 from .native import mypyc_attr
 from .verbs import MR, PD, Access
-from .verbs.buffers import PinnedBuffer
+from .verbs.buffers import PinnedBuffer, SharedMemory
 
 _REMOTE: Final = struct.Struct("<QIQ")
 
@@ -256,16 +256,19 @@ class SlotPool:
 
 
 class Staging:
-    """One leased staging buffer of a ``StagingCache`` (``length`` bytes are in use)."""
+    """One leased staging buffer of a ``StagingCache`` (``length`` bytes are in use).
+    ``shared``: the ``SharedMemory`` behind ``map``, or None for private memory."""
 
-    __slots__ = ("cache", "mr", "map", "length", "size_class")
+    __slots__ = ("cache", "mr", "map", "length", "size_class", "shared")
 
-    def __init__(self, cache: StagingCache, mr: MR, mp: mmap.mmap, size_class: int) -> None:
+    def __init__(self, cache: StagingCache, mr: MR, mp: mmap.mmap, size_class: int,
+                 shared: SharedMemory | None = None) -> None:
         self.cache = cache
         self.mr = mr
         self.map = mp
         self.size_class = size_class
         self.length = 0
+        self.shared = shared
 
     @property
     def view(self) -> memoryview:
@@ -280,15 +283,21 @@ class StagingCache:
 
     ``lease(n)`` returns a ``Staging`` of at least ``n`` bytes, registered with
     ``access`` once, when first created; released buffers are kept (up to
-    ``max_cached_bytes`` in all) for the next lease.
+    ``max_cached_bytes`` in all) for the next lease. ``shared``: buffers of
+    ``SHARED_MIN_CLASS`` bytes or more are ``SharedMemory`` (while the process may
+    create more), so that a same-host peer of a provider that ``maps_shared_memory``
+    fills them with a plain copy.
     """
 
     MIN_CLASS: ClassVar[int] = 1 << 16
+    SHARED_MIN_CLASS: ClassVar[int] = 1 << 18
 
-    def __init__(self, pd: PD, access: Access, max_cached_bytes: int = 256 << 20) -> None:
+    def __init__(self, pd: PD, access: Access, max_cached_bytes: int = 256 << 20,
+                 shared: bool = False) -> None:
         self._pd = pd
         self._access = access
         self._max = max_cached_bytes
+        self._shared = shared
         self._free: dict[int, list[Staging]] = {}
         self._cached = 0
         self._closed = False
@@ -303,8 +312,16 @@ class StagingCache:
             st = free.pop()
             self._cached -= size
         else:
-            mp = mmap.mmap(-1, size)
-            st = Staging(self, self._pd.reg_mr(mp, self._access), mp, size)
+            sm = (SharedMemory.create(size) if self._shared and size >= self.SHARED_MIN_CLASS
+                  else None)
+            mp = sm.map if sm is not None else mmap.mmap(-1, size)
+            try:
+                mr = self._pd.reg_mr(mp, self._access)
+            except BaseException:
+                if sm is not None:
+                    sm.close()
+                raise
+            st = Staging(self, mr, mp, size, sm)
             self.registrations += 1
         st.length = n
         return st
@@ -319,6 +336,9 @@ class StagingCache:
     @staticmethod
     def _destroy(st: Staging) -> None:
         st.mr.close()
+        if st.shared is not None:
+            st.shared.close()
+            return
         try:
             st.map.close()
         except BufferError:

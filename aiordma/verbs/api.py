@@ -272,6 +272,10 @@ class Context(abc.ABC):
 
     name: str
     provider: str
+    #: True when same-host peers deliver data into ``buffers.SharedMemory`` registered
+    #: with this device by a plain memory copy (the ``soft`` provider); callers that
+    #: choose how to allocate buffers (rendezvous staging) use shared memory only here
+    maps_shared_memory: bool = False
 
     @abc.abstractmethod
     def query_device(self) -> DeviceAttr: ...

@@ -150,6 +150,7 @@ class Conn:
         self.cma = CMA_UNKNOWN
         self.cma_min = 0
         self._pid = -1
+        self._maps: cma.PeerMaps | None = None
         engine.conns.add(self)
 
     def __repr__(self) -> str:
@@ -163,6 +164,15 @@ class Conn:
                 return 0
             self._pid = cma.peer_pid(self.sock)
         return self._pid
+
+    def peer_maps(self) -> cma.PeerMaps:
+        """Responder: the peer's shared buffers mapped here (cma ``PeerMaps``; created
+        on first use, dropped when the connection closes). Used only by the thread
+        processing this connection's input."""
+        maps = self._maps
+        if maps is None:
+            maps = self._maps = cma.PeerMaps(self.peer_pid())
+        return maps
 
     def cma_ready(self) -> bool:
         """Requester: True when requests on this connection may use CMA (probing first
@@ -290,6 +300,7 @@ class Conn:
         self.reading = False
         self.out.clear()
         self._sink = None
+        self._maps = None  # unmapped once no copy uses them
         self.engine.conns.discard(self)
         if self._sel_events:
             if self.driver is not None:

@@ -20,6 +20,7 @@ GID_TABLE_LEN = 16
 class SoftContext(Context):
     name = DEVICE_NAME
     provider = "soft"
+    maps_shared_memory = True  # responder.py: READs into SharedMemory by memmove
 
     def __init__(self) -> None:
         self._engine = engine.acquire()

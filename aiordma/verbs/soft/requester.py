@@ -7,9 +7,11 @@ fast path writes straight to the socket) or on the NIC thread.
 
 from __future__ import annotations
 
+import struct
 import time
 from typing import Final
 
+from ..buffers import SharedMemory
 from ..enums import QPState, WCStatus
 from . import cma, wire
 from .conn import CLOSING, CONNECTING, OPEN, Conn, Sink, discard
@@ -20,6 +22,9 @@ MIN_ACK_TIMEOUT_S: Final = 1.0
 #: how long requests wait for the connection the peer QP opens (wire: Connections)
 #: before this QP opens one itself
 PEER_CONNECT_WAIT_S: Final = 0.05
+
+_U32: Final = struct.Struct("<I")
+_U64X2: Final = struct.Struct("<QQ")
 
 _NAK_STATUS: Final = {
     wire.NAK_INV_REQ: WCStatus.REM_INV_REQ_ERR,
@@ -281,8 +286,16 @@ def _cma_request(w: SWQE, bufs: list[bytes | memoryview]) -> bool:
     segs = w.segs
     if len(segs) > cma.IOV_MAX or any(v.readonly for v in segs):
         return False
-    iov = cma.pack_iov([(cma.address_of(v), len(v)) for v in segs])
+    pairs = [(cma.address_of(v), len(v)) for v in segs]
     h = w.hdr
-    bufs.append(bytes((h[0], h[1] | wire.FLAG_CMA)) + len(segs).to_bytes(2, "little") + h[4:])
-    bufs.append(iov)
+    aux = len(segs).to_bytes(2, "little")
+    shared = (SharedMemory.backing(pairs[0][0], pairs[0][1])
+              if w.op == wire.OP_READ and len(pairs) == 1 else None)
+    if shared is not None:  # wire: FLAG_SHM (fd, offset, inode in imm/compare_add/swap)
+        sm, off = shared
+        bufs.append(bytes((h[0], h[1] | wire.FLAG_CMA | wire.FLAG_SHM)) + aux + h[4:12]
+                    + _U32.pack(sm.fd) + h[16:32] + _U64X2.pack(off, sm.ino))
+    else:
+        bufs.append(bytes((h[0], h[1] | wire.FLAG_CMA)) + aux + h[4:])
+    bufs.append(cma.pack_iov(pairs))
     return True

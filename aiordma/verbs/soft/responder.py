@@ -8,7 +8,8 @@ Successful SEND/WRITE requests are acknowledged once per batch of input (coalesc
 A WRITE or READ with FLAG_CMA (wire, ``cma``) is validated the same way; then the data
 moves by one cross-memory copy between the MR and the requester's process, run by the
 connection with the device lock released (the sink's ``job``), and the request
-completes as its socket form would. A failed copy (the requester's memory is gone)
+completes as its socket form would. A READ into the requester's shared memory
+(FLAG_SHM) is copied with ``memmove`` into this process's mapping of it instead. A failed copy (the requester's memory is gone)
 is answered with a remote operational error NAK.
 """
 
@@ -102,10 +103,12 @@ class Responder(Requester):
             return None
         return mr.view[off:off + length]
 
-    def _cma_read(self, conn: Conn, psn: int, src: memoryview, plen: int) -> Sink:
-        """A READ with FLAG_CMA: write ``src`` into the requester's SGEs, then answer."""
+    def _cma_read(self, conn: Conn, psn: int, src: memoryview, plen: int,
+                  shm: tuple[int, int, int] | None) -> Sink:
+        """A READ with FLAG_CMA: write ``src`` into the requester's SGEs, then answer.
+        ``shm`` (FLAG_SHM): ``(fd, inode, offset)`` of the destination's shared buffer."""
         gen = self._gen
-        copy = _CMACopy(conn, [src], plen, write=True)
+        copy = _CMACopy(conn, [src], plen, write=True, shm=shm)
 
         def read_done() -> None:
             if self._gen != gen or self._state not in (QPState.RTR, QPState.RTS):
@@ -204,7 +207,8 @@ class Responder(Requester):
                     self._nak_error(conn, psn, wire.NAK_REM_ACCESS, EventType.QP_ACCESS_ERR)
                     return discard(plen)
                 if flags & wire.FLAG_CMA:
-                    return self._cma_read(conn, psn, src, plen)
+                    shm = (imm, swap, compare_add) if flags & wire.FLAG_SHM else None
+                    return self._cma_read(conn, psn, src, plen, shm)
                 bufs: list[bytes | memoryview] = [wire.pack(wire.OP_READ_RESP, psn, length), src]
             else:
                 bufs = [wire.pack(wire.OP_READ_RESP, psn, 0)]
@@ -236,19 +240,30 @@ class _CMACopy:
     here) with the device lock released. ``err``: 0, or the errno of a failed copy
     (also EINVAL when the records do not add up to the local length)."""
 
-    __slots__ = ("pid", "local", "write", "iov", "err")
+    __slots__ = ("pid", "local", "write", "iov", "err", "conn", "shm")
 
-    def __init__(self, conn: Conn, local: list[memoryview], plen: int, write: bool) -> None:
+    def __init__(self, conn: Conn, local: list[memoryview], plen: int, write: bool,
+                 shm: tuple[int, int, int] | None = None) -> None:
         self.pid = conn.peer_pid()
         self.local = local
         self.write = write
         self.iov = bytearray(plen)
         self.err = 0
+        self.conn = conn
+        self.shm = shm  # READ into a shared buffer: (fd, inode, offset), wire FLAG_SHM
 
     def sink(self, on_done: Callable[[], None]) -> Sink:
         return Sink([memoryview(self.iov)], len(self.iov), on_done, self.run)
 
     def run(self) -> None:
         local = [(cma.address_of(v), len(v)) for v in self.local if len(v)]
+        shm = self.shm
+        if shm is not None and len(local) == 1 and self.pid > 0:
+            addr, n = local[0]
+            if sum(k for _, k in cma.unpack_iov(self.iov)) == n:
+                hit = self.conn.peer_maps().target(shm[0], shm[1], shm[2], n)
+                if hit is not None:
+                    cma.memmove(hit[1], addr, n)
+                    return
         remote = cma.unpack_iov(self.iov)
         self.err = cma.copy(self.pid, local, remote, self.write) if self.pid > 0 else errno.EPERM

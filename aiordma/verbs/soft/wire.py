@@ -53,6 +53,13 @@ connection whose probe succeeded: CMA_PROBE (``remote_addr``/``compare_add`` = t
 address and value of a probe word in the requester) is answered by CMA_ACK (``aux`` =
 1 when the responder could read the word, else 0). Neither consumes a PSN.
 
+Shared memory (``cma``: ``PeerMaps``): a READ with FLAG_CMA whose one local SGE lies in
+a ``SharedMemory`` buffer of the requester also carries ``FLAG_SHM``, with ``imm`` = the
+buffer's fd in the requester, ``compare_add`` = the SGE's offset in it, ``swap`` = its
+inode. The responder may then copy into its own mapping of that buffer instead of
+using the iovec records; its answer is the same. A responder that cannot (or does not
+know the flag) uses the records.
+
 The responder only executes the request whose PSN is the expected one and silently
 drops others; after an RNR NAK for PSN p the requester waits and retransmits
 go-back-N from p, and the responder drops everything until p arrives again.
@@ -94,6 +101,7 @@ PAYLOAD_OPS: Final = frozenset({OP_SEND, OP_SEND_IMM, OP_WRITE, OP_WRITE_IMM, OP
 # flags
 FLAG_SOLICITED: Final = 1
 FLAG_CMA: Final = 2  # WRITE/READ by cross-memory attach (see above)
+FLAG_SHM: Final = 4  # READ (with FLAG_CMA): the destination is shared memory (above)
 CMA_OPS: Final = frozenset({OP_WRITE, OP_WRITE_IMM, OP_READ})
 IOV_SIZE: Final = 16
 
