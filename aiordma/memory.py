@@ -283,14 +283,13 @@ class StagingCache:
 
     ``lease(n)`` returns a ``Staging`` of at least ``n`` bytes, registered with
     ``access`` once, when first created; released buffers are kept (up to
-    ``max_cached_bytes`` in all) for the next lease. ``shared``: buffers of
-    ``SHARED_MIN_CLASS`` bytes or more are ``SharedMemory`` (while the process may
-    create more), so that a same-host peer of a provider that ``maps_shared_memory``
-    fills them with a plain copy.
+    ``max_cached_bytes`` in all) for the next lease. ``shared``: buffers are
+    ``SharedMemory`` (while the process may create more; private memory after that), so
+    that a same-host peer of a provider that ``maps_shared_memory`` fills them with a
+    plain copy.
     """
 
     MIN_CLASS: ClassVar[int] = 1 << 16
-    SHARED_MIN_CLASS: ClassVar[int] = 1 << 18
 
     def __init__(self, pd: PD, access: Access, max_cached_bytes: int = 256 << 20,
                  shared: bool = False) -> None:
@@ -312,8 +311,7 @@ class StagingCache:
             st = free.pop()
             self._cached -= size
         else:
-            sm = (SharedMemory.create(size) if self._shared and size >= self.SHARED_MIN_CLASS
-                  else None)
+            sm = SharedMemory.create(size) if self._shared else None
             mp = sm.map if sm is not None else mmap.mmap(-1, size)
             try:
                 mr = self._pd.reg_mr(mp, self._access)

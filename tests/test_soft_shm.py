@@ -205,8 +205,9 @@ def _warm(p: Pair) -> None:
     assert statuses(poll_n(p.cq_a, 2)) == [S.SUCCESS, S.SUCCESS]
 
 
-@pytest.mark.parametrize("size", [MiB, 3 * MiB + 4096])
+@pytest.mark.parametrize("size", [cma.SHM_MIN, 64 * 1024, MiB, 3 * MiB + 4096])
 def test_read_into_shared_memory_uses_memmove(ctx: Context, res: Resources, size: int) -> None:
+    """From ``SHM_MIN`` on, below the CMA threshold (256 KiB) too."""
     p = Pair(ctx, res)
     _warm(p)
     mb, bb = p.mr("b", size)
@@ -220,6 +221,20 @@ def test_read_into_shared_memory_uses_memmove(ctx: Context, res: Resources, size
         assert sm.map[4096:4096 + size] == bb
         assert sm.map[:4096] == bytes(4096)  # nothing outside the SGE
         assert (cma.copies, cma.shm_copies) == (copies, shm + 1)
+
+
+def test_small_reads_into_shared_memory_use_the_socket(ctx: Context, res: Resources) -> None:
+    p = Pair(ctx, res)
+    _warm(p)
+    mb, bb = p.mr("b", 4096)
+    bb[:] = _pattern(4096, 8)
+    with shared_mr(p.pd_a, 4096) as (ma, sm):
+        copies, shm = cma.copies, cma.shm_copies
+        p.a.post_send([send(1, [sge(ma, 0, cma.SHM_MIN - 1)], WROpcode.RDMA_READ,
+                            remote_addr=mb.addr, rkey=mb.rkey)])
+        assert statuses(poll_n(p.cq_a, 1)) == [S.SUCCESS]
+        assert sm.map[:cma.SHM_MIN - 1] == bb[:cma.SHM_MIN - 1]
+        assert (cma.copies, cma.shm_copies) == (copies, shm)
 
 
 def test_private_or_scattered_destinations_use_cma(ctx: Context, res: Resources) -> None:
@@ -336,22 +351,28 @@ def test_multiprocess_read_into_shared_memory(ctx: Context, res: Resources,
 
 # --- rendezvous staging ------------------------------------------------------------------
 
-def test_staging_cache_shares_only_large_classes(ctx: Context, res: Resources) -> None:
+def test_staging_cache_shares_while_it_may(ctx: Context, res: Resources,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
     pd = res.add(ctx.alloc_pd())
     shared = StagingCache(pd, Access.LOCAL_WRITE, shared=True)
     private = StagingCache(pd, Access.LOCAL_WRITE)
     try:
         big, small = shared.lease(MiB), shared.lease(64 * 1024)
-        assert big.shared is not None and isinstance(big.map, mmap.mmap)
-        assert small.shared is None
+        assert big.shared is not None and big.map is big.shared.map
+        assert small.shared is not None and small.shared.size == 64 * 1024
         kept = private.lease(MiB)
         assert kept.shared is None
         kept.release()
+        with monkeypatch.context() as m:
+            m.setattr(buffers, "SHARED_MAX_BUFFERS", len(SharedMemory._live))
+            over = shared.lease(MiB)  # the process's limit: private memory, as ever
+            assert over.shared is None and isinstance(over.map, mmap.mmap)
+            over.release()
         sm = big.shared
         big.release()
         small.release()
         again = shared.lease(MiB)
-        assert again.shared is sm  # reused
+        assert again.shared is sm  # reused (LIFO)
         again.release()
     finally:
         shared.close()
@@ -367,7 +388,7 @@ def test_endpoint_rendezvous_lands_in_shared_staging() -> None:
     the sender's memmove; every byte arrives in order."""
     import multiprocessing as mp
 
-    sizes = [MiB, 3 * MiB + 17, 256 * 1024, 5 * MiB]
+    sizes = [MiB, 3 * MiB + 17, 64 * 1024 + 3, 256 * 1024, 5 * MiB]
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     proc = ctx.Process(target=_rndv_sender, args=(q, sizes))

@@ -41,6 +41,8 @@ mapping is refused, the range does not fit -- uses the CMA copy as before.
   peer connection, least recently used dropped first; ``keepalive`` holds the mapping
   while a copy uses it.
 * ``shm_copies``: how many copies went through a shared mapping.
+* ``SHM_MIN``: READs into shared memory take this path from this size on, below the
+  CMA threshold too.
 """
 
 from __future__ import annotations
@@ -183,6 +185,9 @@ def probe(pid: int, addr: int, cookie: int) -> bool:
     return word.value == cookie
 
 
+#: READs into shared memory use it from this size on, even below ``min_size()``: a
+#: ``memmove`` costs no page pinning, so it beats the socket's two copies early
+SHM_MIN = 4096
 #: shared mappings kept per peer connection (``PeerMaps``)
 PEER_MAPS = 64
 _REFUSED_MAX = 1024

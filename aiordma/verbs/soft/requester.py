@@ -128,7 +128,10 @@ class Requester(QPCore):
                 break
             unsent.popleft()
             inflight.append(w)
-            if 0 <= cma_min <= w.length and w.op in wire.CMA_OPS and _cma_request(w, bufs):
+            if cma_min >= 0 and w.op in wire.CMA_OPS and (
+                    (cma_min <= w.length and _cma_request(w, bufs, False))
+                    or (w.op == wire.OP_READ and cma.SHM_MIN <= w.length < cma_min
+                        and _cma_request(w, bufs, True))):
                 continue
             bufs.append(w.hdr)
             if w.op in wire.PAYLOAD_OPS:
@@ -279,10 +282,11 @@ class Requester(QPCore):
         self._pump()
 
 
-def _cma_request(w: SWQE, bufs: list[bytes | memoryview]) -> bool:
+def _cma_request(w: SWQE, bufs: list[bytes | memoryview], shm_only: bool) -> bool:
     """Append ``w``'s request in its CMA form (header with FLAG_CMA, the addresses of its
     local SGEs as payload; wire: cross-memory attach) to ``bufs``; False when ``w``
-    cannot use it (too many SGEs, a read-only inline copy)."""
+    cannot use it (too many SGEs, a read-only inline copy) -- or, with ``shm_only``
+    (a READ below the CMA threshold), when its destination is not shared memory."""
     segs = w.segs
     if len(segs) > cma.IOV_MAX or any(v.readonly for v in segs):
         return False
@@ -291,6 +295,8 @@ def _cma_request(w: SWQE, bufs: list[bytes | memoryview]) -> bool:
     aux = len(segs).to_bytes(2, "little")
     shared = (SharedMemory.backing(pairs[0][0], pairs[0][1])
               if w.op == wire.OP_READ and len(pairs) == 1 else None)
+    if shared is None and shm_only:
+        return False
     if shared is not None:  # wire: FLAG_SHM (fd, offset, inode in imm/compare_add/swap)
         sm, off = shared
         bufs.append(bytes((h[0], h[1] | wire.FLAG_CMA | wire.FLAG_SHM)) + aux + h[4:12]
