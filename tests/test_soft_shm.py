@@ -124,6 +124,19 @@ def test_shared_memory_count_is_capped(monkeypatch: pytest.MonkeyPatch) -> None:
 
 # --- PeerMaps (this process as its own peer: the same /proc path) -------------------------
 
+def test_peer_maps_keep_one_mapping_larger_than_the_limit(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cma, "PEER_MAP_BYTES", 4096)
+    sm = SharedMemory.create(3 * 4096)
+    assert sm is not None
+    try:
+        maps = cma.PeerMaps(os.getpid())
+        assert maps.target(sm.fd, sm.ino, 0, 3 * 4096) is not None
+        assert list(maps._maps) == [sm.ino]
+    finally:
+        sm.close()
+
+
 def test_peer_maps_map_the_same_pages_and_check_bounds() -> None:
     sm = SharedMemory.create(2 * 4096)
     assert sm is not None
@@ -151,19 +164,29 @@ def test_peer_maps_refuse_wrong_inode_unsealed_and_plain_files(
     with open(path, "wb") as f:
         f.write(b"\0" * 4096)
     regular = os.open(path, os.O_RDWR)
-    opened: list[str] = []
-    real_open = os.open
+    opened: list[str] = []  # /proc look-ups (stat before open)
+    real_stat = os.stat
 
-    def counting_open(p: str, *a: object, **k: object) -> int:
-        opened.append(p)
-        return real_open(p, *a, **k)  # type: ignore[arg-type]
+    def counting_stat(p: str, *a: object, **k: object) -> os.stat_result:
+        if str(p).startswith("/proc/"):
+            opened.append(p)
+        return real_stat(p, *a, **k)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(os, "open", counting_open)
+    monkeypatch.setattr(os, "stat", counting_stat)
     try:
         maps = cma.PeerMaps(os.getpid())
         assert maps.target(sm.fd, sm.ino + 1, 0, 16) is None  # another buffer's inode
         assert maps.target(unsealed, os.fstat(unsealed).st_ino, 0, 16) is None
         assert maps.target(regular, os.fstat(regular).st_ino, 0, 16) is None
+        rfd, wfd = os.pipe()  # not a regular file: refused without being opened
+        try:
+            real_open = os.open
+            monkeypatch.setattr(os, "open", lambda *a, **k: pytest.fail("opened a pipe"))
+            assert maps.target(rfd, os.fstat(rfd).st_ino, 0, 16) is None
+            monkeypatch.setattr(os, "open", real_open)
+        finally:
+            os.close(rfd)
+            os.close(wfd)
         n = len(opened)
         assert maps.target(sm.fd, sm.ino + 1, 0, 16) is None  # refusals are remembered
         assert len(opened) == n
@@ -174,17 +197,23 @@ def test_peer_maps_refuse_wrong_inode_unsealed_and_plain_files(
         sm.close()
 
 
-def test_peer_maps_keep_the_most_recent(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cma, "PEER_MAPS", 2)
+@pytest.mark.parametrize("limit", ["count", "bytes"])
+def test_peer_maps_keep_the_most_recent(monkeypatch: pytest.MonkeyPatch, limit: str) -> None:
+    if limit == "count":
+        monkeypatch.setattr(cma, "PEER_MAPS", 2)
+    else:
+        monkeypatch.setattr(cma, "PEER_MAP_BYTES", 2 * 4096)
     bufs = [SharedMemory.create(4096) for _ in range(3)]
     try:
         maps = cma.PeerMaps(os.getpid())
         for sm in bufs:
             assert sm is not None and maps.target(sm.fd, sm.ino, 0, 8) is not None
         assert list(maps._maps) == [bufs[1].ino, bufs[2].ino]  # type: ignore[union-attr]
+        assert maps._bytes == 2 * 4096
         hit = maps.target(bufs[1].fd, bufs[1].ino, 0, 8)  # type: ignore[union-attr]
         keep = hit[0] if hit is not None else None
         maps.clear()
+        assert maps._bytes == 0
         assert keep is not None and len(keep) == 4096  # a copy's mapping outlives eviction
     finally:
         for sm in bufs:

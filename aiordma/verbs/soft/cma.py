@@ -37,9 +37,10 @@ mapping is refused, the range does not fit -- uses the CMA copy as before.
 
 * ``PeerMaps(pid).target(fd, ino, offset, n)``: ``(keepalive, address)`` of the peer's
   bytes ``[offset, offset + n)`` of that buffer, mapped here, or None. Mappings are
-  cached by inode (an inode cannot be reused while mapped), at most ``PEER_MAPS`` per
-  peer connection, least recently used dropped first; ``keepalive`` holds the mapping
-  while a copy uses it.
+  cached by inode (an inode cannot be reused while mapped), at most ``PEER_MAPS`` and
+  ``PEER_MAP_BYTES`` per peer connection (but always the newest one), least recently
+  used dropped first: a mapping keeps a buffer's memory alive after the peer freed it.
+  ``keepalive`` holds the mapping while a copy uses it.
 * ``shm_copies``: how many copies went through a shared mapping.
 * ``SHM_MIN``: READs into shared memory take this path from this size on, below the
   CMA threshold too.
@@ -188,8 +189,10 @@ def probe(pid: int, addr: int, cookie: int) -> bool:
 #: READs into shared memory use it from this size on, even below ``min_size()``: a
 #: ``memmove`` costs no page pinning, so it beats the socket's two copies early
 SHM_MIN = 4096
-#: shared mappings kept per peer connection (``PeerMaps``)
+#: shared mappings kept per peer connection (``PeerMaps``), and the bytes they may span
+#: (a mapping keeps a buffer's memory alive after its owner freed it)
 PEER_MAPS = 64
+PEER_MAP_BYTES = 256 << 20
 _REFUSED_MAX = 1024
 shm_copies = 0
 
@@ -202,6 +205,7 @@ class PeerMaps:
         self.pid = pid
         self._maps: OrderedDict[int, tuple[Any, int, int]] = OrderedDict()  # ino -> map
         self._refused: set[tuple[int, int]] = set()
+        self._bytes = 0  # mapped in all
 
     def target(self, fd: int, ino: int, offset: int, n: int) -> tuple[Any, int] | None:
         m = self._maps.get(ino)
@@ -215,8 +219,10 @@ class PeerMaps:
                 self._refused.add((fd, ino))
                 return None
             self._maps[ino] = m
-            while len(self._maps) > PEER_MAPS:
-                self._maps.popitem(last=False)
+            self._bytes += m[2]
+            while len(self._maps) > 1 and (len(self._maps) > PEER_MAPS
+                                           or self._bytes > PEER_MAP_BYTES):
+                self._bytes -= self._maps.popitem(last=False)[1][2]
         else:
             self._maps.move_to_end(ino)
         keep, addr, size = m
@@ -225,8 +231,13 @@ class PeerMaps:
         return keep, addr + offset
 
     def _open(self, fd: int, ino: int) -> tuple[Any, int, int] | None:
+        path = f"/proc/{self.pid}/fd/{fd}"
         try:
-            f = os.open(f"/proc/{self.pid}/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+            # what the peer's fd names, before opening it (opening a device can act)
+            st = os.stat(path)
+            if st.st_ino != ino or not stat.S_ISREG(st.st_mode):
+                return None
+            f = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK)
         except OSError:
             return None
         try:
@@ -245,6 +256,7 @@ class PeerMaps:
 
     def clear(self) -> None:
         self._maps.clear()
+        self._bytes = 0
 
 
 def memmove(dst: int, src: int, n: int) -> None:
