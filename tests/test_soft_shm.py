@@ -124,6 +124,33 @@ def test_shared_memory_count_is_capped(monkeypatch: pytest.MonkeyPatch) -> None:
 
 # --- PeerMaps (this process as its own peer: the same /proc path) -------------------------
 
+def test_peer_maps_drop_the_buffers_the_peer_closed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A miss sweeps (at most every PEER_SWEEP_S) the mappings of closed buffers: they
+    would keep the peer's freed memory alive."""
+    a, b, c = (SharedMemory.create(4096) for _ in range(3))
+    assert a is not None and b is not None and c is not None
+    try:
+        maps = cma.PeerMaps(os.getpid())
+        assert maps.target(a.fd, a.ino, 0, 8) is not None
+        assert maps.target(b.fd, b.ino, 0, 8) is not None
+        a.close()
+        monkeypatch.setattr(cma, "PEER_SWEEP_S", 3600.0)
+        assert maps.target(c.fd, c.ino, 0, 8) is not None  # swept recently: kept
+        assert list(maps._maps) == [a.ino, b.ino, c.ino]
+        monkeypatch.setattr(cma, "PEER_SWEEP_S", 0.0)
+        d = SharedMemory.create(4096)
+        assert d is not None
+        try:
+            assert maps.target(d.fd, d.ino, 0, 8) is not None
+            assert list(maps._maps) == [b.ino, c.ino, d.ino]
+            assert maps._bytes == 3 * 4096
+        finally:
+            d.close()
+    finally:
+        for sm in (a, b, c):
+            sm.close()
+
+
 def test_peer_maps_keep_one_mapping_larger_than_the_limit(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cma, "PEER_MAP_BYTES", 4096)
@@ -461,5 +488,70 @@ def _rndv_sender(q: object, sizes: list[int]) -> None:
         await ep.recv()
         await ep.close()
         q.put(cma.shm_copies)  # type: ignore[attr-defined]
+
+    asyncio.run(main())
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_deep_read_ahead_maps_each_staging_buffer_once() -> None:
+    """A receiver that falls behind reads ahead into ~96 staging buffers at once and
+    then cycles through them: the sender maps each once (a mapping cache smaller than
+    the working set would map one per message, at a third of the speed)."""
+    import multiprocessing as mp
+
+    n = 100
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    proc = ctx.Process(target=_wave_sender, args=(q, n))
+
+    async def main() -> int:
+        done = asyncio.get_running_loop().create_future()
+
+        async def handler(ep: aiordma.Endpoint) -> None:
+            for _wave in range(2):
+                await asyncio.sleep(0.3)  # let the wave pile up (read ahead, 96 MiB)
+                for i in range(n):
+                    m = await ep.recv()
+                    assert len(m) == MiB and m[:4] == i.to_bytes(4, "little")
+                await ep.send(b"next")
+            regs = ep.statistics()["staging_registrations"]
+            await ep.send(str(regs).encode())
+            with contextlib.suppress(aiordma.ConnectionClosed):
+                await ep.recv()
+            done.set_result(regs)
+
+        lst = await aiordma.listen(handler, "127.0.0.1", 0, provider="soft",
+                                   rndv_prefetch=96 * MiB)
+        proc.start()
+        q.put(lst.port)
+        regs: int = await asyncio.wait_for(done, 90)
+        lst.close()
+        return regs
+
+    regs = asyncio.run(main())
+    proc.join(30)
+    assert proc.exitcode == 0
+    maps, copies = q.get(timeout=10)
+    assert regs >= 90  # the read-ahead did go deep
+    assert copies >= n  # the shared path carried the waves
+    assert maps <= regs  # one mapping per staging buffer, not one per message
+
+
+def _wave_sender(q: object, n: int) -> None:
+    async def main() -> None:
+        port = q.get(timeout=30)  # type: ignore[attr-defined]
+        ep = await aiordma.connect("127.0.0.1", port, provider="soft")
+        data = bytearray(MiB)
+        mr = ep.register(data, remote_read=True)
+        for _wave in range(2):
+            # distinct message contents: each send holds its own copy
+            msgs = [i.to_bytes(4, "little") + bytes(MiB - 4) for i in range(n)]
+            await asyncio.gather(*(ep.send(m) for m in msgs))
+            assert await ep.recv() == b"next"
+        await ep.recv()
+        mr.close()
+        await ep.close()
+        q.put((cma.shm_maps, cma.shm_copies))  # type: ignore[attr-defined]
 
     asyncio.run(main())

@@ -39,9 +39,12 @@ mapping is refused, the range does not fit -- uses the CMA copy as before.
   bytes ``[offset, offset + n)`` of that buffer, mapped here, or None. Mappings are
   cached by inode (an inode cannot be reused while mapped), at most ``PEER_MAPS`` and
   ``PEER_MAP_BYTES`` per peer connection (but always the newest one), least recently
-  used dropped first: a mapping keeps a buffer's memory alive after the peer freed it.
-  ``keepalive`` holds the mapping while a copy uses it.
-* ``shm_copies``: how many copies went through a shared mapping.
+  used dropped first. A mapping keeps a buffer's memory alive after the peer freed it,
+  so a miss first drops (``sweep``, at most every ``PEER_SWEEP_S``) the mappings whose
+  fd in the peer no longer names their buffer. ``keepalive`` holds the mapping while a
+  copy uses it.
+* ``shm_copies``: how many copies went through a shared mapping; ``shm_maps``: how many
+  times a peer's buffer was looked up to be mapped (cache misses).
 * ``SHM_MIN``: READs into shared memory take this path from this size on, below the
   CMA threshold too.
 """
@@ -58,6 +61,7 @@ import socket
 import stat
 import struct
 import sys
+import time
 from collections import OrderedDict
 from typing import Any
 
@@ -189,12 +193,18 @@ def probe(pid: int, addr: int, cookie: int) -> bool:
 #: READs into shared memory use it from this size on, even below ``min_size()``: a
 #: ``memmove`` costs no page pinning, so it beats the socket's two copies early
 SHM_MIN = 4096
-#: shared mappings kept per peer connection (``PeerMaps``), and the bytes they may span
-#: (a mapping keeps a buffer's memory alive after its owner freed it)
-PEER_MAPS = 64
-PEER_MAP_BYTES = 256 << 20
+#: shared mappings kept per peer connection (``PeerMaps``) and the bytes they may span:
+#: room for every buffer a peer can share (``buffers.SHARED_MAX_BUFFERS``: a smaller
+#: cache thrashes -- a mapping per message -- once a deep read-ahead cycles through more
+#: staging buffers than it holds)
+PEER_MAPS = 256
+PEER_MAP_BYTES = 4 << 30
+#: at most this often (seconds), a miss first drops the mappings of buffers the peer
+#: has closed (a mapping keeps a buffer's memory alive after its owner freed it)
+PEER_SWEEP_S = 1.0
 _REFUSED_MAX = 1024
 shm_copies = 0
+shm_maps = 0
 
 
 class PeerMaps:
@@ -203,15 +213,23 @@ class PeerMaps:
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
-        self._maps: OrderedDict[int, tuple[Any, int, int]] = OrderedDict()  # ino -> map
+        # ino -> (keepalive, address, size, fd in the peer)
+        self._maps: OrderedDict[int, tuple[Any, int, int, int]] = OrderedDict()
         self._refused: set[tuple[int, int]] = set()
         self._bytes = 0  # mapped in all
+        self._swept = time.monotonic()
 
     def target(self, fd: int, ino: int, offset: int, n: int) -> tuple[Any, int] | None:
+        global shm_maps
         m = self._maps.get(ino)
         if m is None:
             if self.pid <= 0 or (fd, ino) in self._refused:
                 return None
+            now = time.monotonic()
+            if now - self._swept >= PEER_SWEEP_S:
+                self._swept = now
+                self.sweep()
+            shm_maps += 1
             m = self._open(fd, ino)
             if m is None:
                 if len(self._refused) >= _REFUSED_MAX:
@@ -225,12 +243,23 @@ class PeerMaps:
                 self._bytes -= self._maps.popitem(last=False)[1][2]
         else:
             self._maps.move_to_end(ino)
-        keep, addr, size = m
+        keep, addr, size, _fd = m
         if offset < 0 or n < 0 or offset + n > size:
             return None
         return keep, addr + offset
 
-    def _open(self, fd: int, ino: int) -> tuple[Any, int, int] | None:
+    def sweep(self) -> None:
+        """Drop the mappings of buffers whose fd in the peer no longer names them."""
+        for ino, m in list(self._maps.items()):
+            try:
+                alive = os.stat(f"/proc/{self.pid}/fd/{m[3]}").st_ino == ino
+            except OSError:
+                alive = False
+            if not alive:
+                del self._maps[ino]
+                self._bytes -= m[2]
+
+    def _open(self, fd: int, ino: int) -> tuple[Any, int, int, int] | None:
         path = f"/proc/{self.pid}/fd/{fd}"
         try:
             # what the peer's fd names, before opening it (opening a device can act)
@@ -252,7 +281,7 @@ class PeerMaps:
         finally:
             os.close(f)
         keep = (ctypes.c_char * st.st_size).from_buffer(mp)  # holds the mapping
-        return keep, ctypes.addressof(keep), st.st_size
+        return keep, ctypes.addressof(keep), st.st_size, fd
 
     def clear(self) -> None:
         self._maps.clear()
