@@ -5,12 +5,15 @@ socket when the probe fails."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
+from collections.abc import Iterator
 
 import pytest
 import test_verbs_provider
 from test_verbs_provider import (
+    ACC_ALL,
     WAIT_S,
     Child,
     Pair,
@@ -22,7 +25,7 @@ from test_verbs_provider import (
     wait_state,
 )
 
-from aiordma.verbs import Context, QPCap, QPState, RecvWR, WROpcode
+from aiordma.verbs import CQ, PD, QP, Context, QPCap, QPState, RecvWR, WROpcode
 from aiordma.verbs import WCStatus as S
 from aiordma.verbs.soft import cma
 from aiordma.verbs.soft.conn import CMA_OFF, CMA_ON
@@ -179,22 +182,32 @@ def test_min_size_threshold(ctx: Context, res: Resources, monkeypatch: pytest.Mo
     assert cma.copies == before + 2
 
 
-@pytest.mark.multiprocess
-@pytest.mark.timeout(120)
-def test_multiprocess_write_read_several_mib(ctx: Context, res: Resources,
-                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    size = 8 * MiB
-    monkeypatch.setenv("AIORDMA_TEST_PEER_MR", str(size))
+@contextlib.contextmanager
+def child_qp(ctx: Context, res: Resources, monkeypatch: pytest.MonkeyPatch,
+             peer_mr: int) -> Iterator[tuple[Child, PD, CQ, QP]]:
+    """A QP of this process connected to one of a child process (``verbs_peer.py``)
+    that exposes a ``peer_mr``-byte MR (``child.info["addr"]``/``["rkey"]``); the child
+    is killed at the end."""
+    monkeypatch.setenv("AIORDMA_TEST_PEER_MR", str(peer_mr))
     child = Child("soft")
     try:
         pd = res.add(ctx.alloc_pd())
         cq = res.add(ctx.create_cq(64))
         qp = res.add(pd.create_qp(cq, cq, QPCap(max_send_wr=16, max_recv_wr=16)))
-        buf = bytearray(2 * size)
-        from test_verbs_provider import ACC_ALL
-
-        m = res.add(pd.reg_mr(buf, ACC_ALL))
         child.connect(ctx, qp, timeout=14, retry_cnt=7)
+        yield child, pd, cq, qp
+    finally:
+        child.kill()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_multiprocess_write_read_several_mib(ctx: Context, res: Resources,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    size = 8 * MiB
+    with child_qp(ctx, res, monkeypatch, size) as (child, pd, cq, qp):
+        buf = bytearray(2 * size)
+        m = res.add(pd.reg_mr(buf, ACC_ALL))
         raddr, rkey = child.info["addr"], child.info["rkey"]
         for seed in range(3):
             buf[:size] = _pattern(size, seed)
@@ -210,5 +223,3 @@ def test_multiprocess_write_read_several_mib(ctx: Context, res: Resources,
         qp.post_send([send(3, [sge(m, 0, MiB)], WROpcode.RDMA_READ,
                            remote_addr=raddr + size - MiB + 1, rkey=rkey)])
         assert statuses(poll_n(cq, 1)) == [S.REM_ACCESS_ERR]
-    finally:
-        child.kill()

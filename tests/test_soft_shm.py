@@ -14,11 +14,12 @@ import pathlib
 from collections.abc import Iterator
 
 import pytest
+import test_soft_cma
 import test_verbs_provider
+from test_soft_cma import MiB, _pattern, child_qp
 from test_verbs_provider import (
     ACC_ALL,
     WAIT_S,
-    Child,
     Pair,
     Resources,
     poll_n,
@@ -30,7 +31,7 @@ from test_verbs_provider import (
 
 import aiordma
 from aiordma.memory import StagingCache
-from aiordma.verbs import MR, PD, Access, Context, QPCap, QPState, WROpcode, buffers
+from aiordma.verbs import MR, PD, Access, Context, QPState, WROpcode, buffers
 from aiordma.verbs import WCStatus as S
 from aiordma.verbs.buffers import SharedMemory
 from aiordma.verbs.soft import cma
@@ -48,19 +49,8 @@ pytestmark = pytest.mark.skipif(
     os.environ.get("AIORDMA_PROVIDER", "soft") != "soft" or not cma.enabled()
     or not _memfd_ok(), reason="the soft provider's CMA and memfd (Linux)")
 
-MiB = 1 << 20
 res = test_verbs_provider.res  # the fixture
-
-
-@pytest.fixture(autouse=True)
-def _cma_on(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("AIORDMA_SOFT_CMA", "1")
-    monkeypatch.delenv("AIORDMA_SOFT_CMA_MIN", raising=False)
-    monkeypatch.delenv("AIORDMA_SOFT_UNIX", raising=False)
-
-
-def _pattern(n: int, seed: int) -> bytes:
-    return bytes((i * 7 + seed) & 0xFF for i in range(256)) * (n // 256)
+_cma_on = test_soft_cma._cma_on  # the autouse fixture: CMA on, default threshold
 
 
 @contextlib.contextmanager
@@ -378,31 +368,23 @@ def test_multiprocess_read_into_shared_memory(ctx: Context, res: Resources,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """Across processes: the peer maps our buffer through /proc/<pid>/fd."""
     size = 4 * MiB
-    monkeypatch.setenv("AIORDMA_TEST_PEER_MR", str(size))
-    child = Child("soft")
-    try:
-        pd = res.add(ctx.alloc_pd())
-        cq = res.add(ctx.create_cq(64))
-        qp = res.add(pd.create_qp(cq, cq, QPCap(max_send_wr=16, max_recv_wr=16)))
+    with child_qp(ctx, res, monkeypatch, size) as (child, pd, cq, qp), \
+            shared_mr(pd, size) as (ms, sm):
         buf = bytearray(size)
         m = res.add(pd.reg_mr(buf, ACC_ALL))
-        child.connect(ctx, qp, timeout=14, retry_cnt=7)
         raddr, rkey = child.info["addr"], child.info["rkey"]
-        with shared_mr(pd, size) as (ms, sm):
-            for seed in range(3):
-                buf[:] = _pattern(size, seed)
-                qp.post_send([
-                    send(1, [sge(m)], WROpcode.RDMA_WRITE, remote_addr=raddr, rkey=rkey),
-                    send(2, [sge(ms)], WROpcode.RDMA_READ, remote_addr=raddr, rkey=rkey),
-                ])
-                assert statuses(poll_n(cq, 2, WAIT_S * 3)) == [S.SUCCESS, S.SUCCESS]
-                assert sm.map[:] == buf
-            # the copy ran in the child: it mapped our buffer (one mapping, reused)
-            maps = [line for line in open(f"/proc/{child.proc.pid}/maps")
-                    if "aiordma-shared" in line]
-            assert len(maps) == 1, maps
-    finally:
-        child.kill()
+        for seed in range(3):
+            buf[:] = _pattern(size, seed)
+            qp.post_send([
+                send(1, [sge(m)], WROpcode.RDMA_WRITE, remote_addr=raddr, rkey=rkey),
+                send(2, [sge(ms)], WROpcode.RDMA_READ, remote_addr=raddr, rkey=rkey),
+            ])
+            assert statuses(poll_n(cq, 2, WAIT_S * 3)) == [S.SUCCESS, S.SUCCESS]
+            assert sm.map[:] == buf
+        # the copy ran in the child: it mapped our buffer (one mapping, reused)
+        with open(f"/proc/{child.proc.pid}/maps") as f:
+            maps = [line for line in f if "aiordma-shared" in line]
+        assert len(maps) == 1, maps
 
 
 # --- rendezvous staging ------------------------------------------------------------------
