@@ -9,8 +9,9 @@ A WRITE or READ with FLAG_CMA (wire, ``cma``) is validated the same way; then th
 moves by one cross-memory copy between the MR and the requester's process, run by the
 connection with the device lock released (the sink's ``job``), and the request
 completes as its socket form would. A READ into the requester's shared memory
-(FLAG_SHM) is copied with ``memmove`` into this process's mapping of it instead. A failed copy (the requester's memory is gone)
-is answered with a remote operational error NAK.
+(FLAG_SHM) is copied with ``memmove`` into this process's mapping of it instead, where
+that mapping can be made (else by CMA as above). A failed copy (the requester's memory
+is gone) is answered with a remote operational error NAK.
 """
 
 from __future__ import annotations
@@ -257,13 +258,13 @@ class _CMACopy:
 
     def run(self) -> None:
         local = [(cma.address_of(v), len(v)) for v in self.local if len(v)]
+        remote = cma.unpack_iov(self.iov)
         shm = self.shm
         if shm is not None and len(local) == 1 and self.pid > 0:
             addr, n = local[0]
-            if sum(k for _, k in cma.unpack_iov(self.iov)) == n:
+            if sum(k for _, k in remote) == n:  # the records agree on the length
                 hit = self.conn.peer_maps().target(shm[0], shm[1], shm[2], n)
                 if hit is not None:
                     cma.memmove(hit[1], addr, n)
                     return
-        remote = cma.unpack_iov(self.iov)
         self.err = cma.copy(self.pid, local, remote, self.write) if self.pid > 0 else errno.EPERM
