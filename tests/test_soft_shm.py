@@ -11,6 +11,7 @@ import fcntl
 import mmap
 import os
 import pathlib
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -491,8 +492,12 @@ def test_deep_read_ahead_maps_each_staging_buffer_once() -> None:
         done = asyncio.get_running_loop().create_future()
 
         async def handler(ep: aiordma.Endpoint) -> None:
-            for _wave in range(2):
-                await asyncio.sleep(0.3)  # let the wave pile up (read ahead, 96 MiB)
+            for wave in range(2):
+                # let the wave pile up: read ahead into ~96 staging buffers (bounded wait)
+                deadline = time.monotonic() + 30
+                while (ep.statistics()["rndv_staged"] < wave * n + 90
+                       and time.monotonic() < deadline):
+                    await asyncio.sleep(0.01)
                 for i in range(n):
                     m = await ep.recv()
                     assert len(m) == MiB and m[:4] == i.to_bytes(4, "little")
