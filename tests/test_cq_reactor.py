@@ -198,3 +198,92 @@ async def test_hybrid_goes_quiet_after_missed_spins_and_backs_off_further() -> N
     assert st["spins"] == spins + 1 and st["quiet_periods"] == 2
     assert r._backoff == 2 * first
     r.close()
+
+
+# -- hybrid's lazy arming ----------------------------------------------------------------
+async def _wake_and_spin(r: CQReactor, cq: FakeCQ) -> None:
+    """A completion on the armed CQ: the wake-up reads its event and starts a spin."""
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+    cq.add(_wc(r.register(future_handler, fut)))
+    await asyncio.wait_for(fut, 2)
+    assert cq.events == 1 and r.statistics()["wakeups"] == 1 and r._spin_scheduled
+
+
+async def test_hybrid_leaves_the_cq_disarmed_while_its_spin_polls_it() -> None:
+    """After the wake-up the spin polls the CQ: it is not re-armed, so the completions
+    that the spin catches raise no event. The tick that ends the spin arms it, and a
+    completion after that wakes the loop again."""
+    loop = asyncio.get_running_loop()
+    r = CQReactor(FakeCtx(), loop, mode="hybrid", spin_us=1_000_000)  # type: ignore[arg-type]
+    cq: FakeCQ = r.acquire_cq(8)  # type: ignore[assignment]
+    r.thread_time = time.perf_counter  # never "preempted"
+    await _wake_and_spin(r, cq)
+    assert not cq.armed and r.statistics()["arms"] == 0
+    for _ in range(3):  # caught by the spin: no event, no arm
+        fut = loop.create_future()
+        cq.add(_wc(r.register(future_handler, fut)))
+        await asyncio.wait_for(fut, 2)
+    assert cq.events == 1 and not cq.armed and r.statistics()["wakeups"] == 1
+    r._spin_deadline = 0.0  # the budget is spent
+    await _spin_ends(r)
+    assert cq.armed and r.statistics()["arms"] == 1
+    fut = loop.create_future()
+    cq.add(_wc(r.register(future_handler, fut)))
+    await asyncio.wait_for(fut, 2)
+    st = r.statistics()
+    assert cq.events == 2 and st["wakeups"] == 2 and st["completions"] == 5
+    r.close()
+    assert cq.acked == cq.events
+
+
+async def test_completion_between_the_last_spin_poll_and_the_arm_is_not_lost() -> None:
+    """The spin's last poll finds nothing; a completion lands before the CQ is armed
+    (it raises no event): the poll after arming must take it, or it waits forever."""
+    loop = asyncio.get_running_loop()
+    r = CQReactor(FakeCtx(), loop, mode="hybrid", spin_us=1_000_000)  # type: ignore[arg-type]
+    cq: FakeCQ = r.acquire_cq(8)  # type: ignore[assignment]
+    r.thread_time = time.perf_counter
+    await _wake_and_spin(r, cq)
+    fut = loop.create_future()
+    wr_id = r.register(future_handler, fut)
+    r._spin_deadline = 0.0
+    cq.after_poll = lambda: cq.add(_wc(wr_id))  # lands just after the empty poll
+    await asyncio.wait_for(fut, 2)
+    assert cq.events == 1 and cq.armed  # no event: the arm-then-poll took it
+    await _spin_ends(r)
+    r.close()
+
+
+async def test_hybrid_arms_when_its_spin_is_preempted() -> None:
+    """A spin that goes quiet (preempted) arms the CQ it left disarmed: the next
+    completion wakes the loop."""
+    loop = asyncio.get_running_loop()
+    r = CQReactor(FakeCtx(), loop, mode="hybrid", spin_us=1_000_000)  # type: ignore[arg-type]
+    cq: FakeCQ = r.acquire_cq(8)  # type: ignore[assignment]
+    frozen = time.thread_time()
+    r.thread_time = lambda: frozen
+    await _wake_and_spin(r, cq)
+    assert not cq.armed
+    time.sleep(0.002)  # the loop is held up; the thread "waits for a core"
+    await _spin_ends(r)
+    assert r.statistics()["spin_preempted"] == 1 and cq.armed
+    fut = loop.create_future()
+    cq.add(_wc(r.register(future_handler, fut)))
+    await asyncio.wait_for(fut, 2)
+    assert cq.events == 2
+    r.close()
+
+
+@pytest.mark.parametrize("mode", ["blocking", "polling"])
+async def test_other_modes_rearm_on_every_wakeup(mode: str) -> None:
+    loop = asyncio.get_running_loop()
+    r = CQReactor(FakeCtx(), loop, mode=mode)  # type: ignore[arg-type]
+    cq: FakeCQ = r.acquire_cq(8)  # type: ignore[assignment]
+    for i in range(3):
+        fut = loop.create_future()
+        cq.add(_wc(r.register(future_handler, fut)))
+        await asyncio.wait_for(fut, 2)
+        await asyncio.sleep(0)
+        assert cq.armed and r.statistics()["arms"] >= i + 1
+    r.close()
