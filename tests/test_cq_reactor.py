@@ -261,10 +261,11 @@ async def test_hybrid_arms_when_its_spin_is_preempted() -> None:
     loop = asyncio.get_running_loop()
     r = CQReactor(FakeCtx(), loop, mode="hybrid", spin_us=1_000_000)  # type: ignore[arg-type]
     cq: FakeCQ = r.acquire_cq(8)  # type: ignore[assignment]
-    frozen = time.thread_time()
-    r.thread_time = lambda: frozen
-    await _wake_and_spin(r, cq)
+    frozen: list[float] = []  # the thread clock runs with the wall clock until frozen
+    r.thread_time = lambda: frozen[0] if frozen else time.perf_counter()
+    await _wake_and_spin(r, cq)  # (never preempted so far, however slow the machine)
     assert not cq.armed
+    frozen.append(time.perf_counter())
     time.sleep(0.002)  # the loop is held up; the thread "waits for a core"
     await _spin_ends(r)
     assert r.statistics()["spin_preempted"] == 1 and cq.armed
