@@ -344,17 +344,13 @@ class CQReactor:
             if slot.unacked >= _ACK_BATCH:
                 slot.cq.ack_events(slot.unacked)
                 slot.unacked = 0
-        if self.mode == "hybrid" and self.spin_us:
-            if slot.progress is None and time.perf_counter() >= self._quiet_until:
-                pass  # stays disarmed: the spin below polls it, _arm_idle arms it
-            else:
-                self._arm(slot)
-            self._drain(slot, until_empty=False)
-            self._spin_from_now()
-            return
-        self._arm(slot)
+        hybrid = self.mode == "hybrid" and self.spin_us > 0
+        if not (hybrid and slot.progress is None and time.perf_counter() >= self._quiet_until):
+            self._arm(slot)  # (else it stays disarmed: the spin polls it, _arm_idle arms it)
         self._drain(slot, until_empty=False)
-        if self.mode == "polling" and self._table:
+        if hybrid:
+            self._spin_from_now()
+        elif self.mode == "polling" and self._table:
             self._schedule_poll()
 
     def _arm(self, slot: _CQSlot) -> None:
@@ -416,14 +412,13 @@ class CQReactor:
                     "exception": exc,
                 })
 
-    def _spin_from_now(self) -> bool:
-        """hybrid: keep the loop polling for ``spin_us`` from now (unless quiet).
-        Returns whether a spin is running now."""
+    def _spin_from_now(self) -> None:
+        """hybrid: keep the loop polling for ``spin_us`` from now (unless quiet)."""
         now = time.perf_counter()
-        if now < self._quiet_until or self._closed:
-            return False
+        if now < self._quiet_until:
+            return
         self._spin_deadline = now + self.spin_us * 1e-6
-        if not self._spin_scheduled:
+        if not self._spin_scheduled and not self._closed:
             self._spin_scheduled = True
             self._spin_last = now
             self._spin_hit = False
@@ -431,7 +426,6 @@ class CQReactor:
             self._spin_cpu = self.thread_time()
             self.spins += 1
             self.loop.call_soon(self._spin_tick)
-        return True
 
     def _spin_tick(self) -> None:
         self._spin_scheduled = False

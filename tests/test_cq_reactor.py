@@ -110,6 +110,13 @@ def test_poll_settings(monkeypatch: pytest.MonkeyPatch) -> None:
         poll_settings("hybrid", -1)
 
 
+async def _complete(r: CQReactor, cq: FakeCQ) -> None:
+    """Add one completion to ``cq`` and wait (bounded) until the reactor dispatched it."""
+    fut = asyncio.get_running_loop().create_future()
+    cq.add(_wc(r.register(future_handler, fut)))
+    await asyncio.wait_for(fut, 2)
+
+
 # -- hybrid's adaptive spin ------------------------------------------------------------
 async def _spin_ends(r: CQReactor, limit_s: float = 2.0) -> None:
     """Yield to the loop until the reactor's spin has stopped (bounded)."""
@@ -156,9 +163,7 @@ async def test_hybrid_keeps_spinning_through_gaps_that_used_the_cpu() -> None:
     for _ in range(3):
         await asyncio.sleep(0)
         time.sleep(0.002)
-    fut = loop.create_future()
-    cq.add(_wc(r.register(future_handler, fut)))
-    await asyncio.wait_for(fut, 2)
+    await _complete(r, cq)
     st = r.statistics()
     assert st["spin_preempted"] == 0 and st["quiet_periods"] == 0 and r._spin_scheduled
     assert st["spin_hits"] >= 1
@@ -203,10 +208,7 @@ async def test_hybrid_goes_quiet_after_missed_spins_and_backs_off_further() -> N
 # -- hybrid's lazy arming ----------------------------------------------------------------
 async def _wake_and_spin(r: CQReactor, cq: FakeCQ) -> None:
     """A completion on the armed CQ: the wake-up reads its event and starts a spin."""
-    loop = asyncio.get_running_loop()
-    fut = loop.create_future()
-    cq.add(_wc(r.register(future_handler, fut)))
-    await asyncio.wait_for(fut, 2)
+    await _complete(r, cq)
     assert cq.events == 1 and r.statistics()["wakeups"] == 1 and r._spin_scheduled
 
 
@@ -221,16 +223,12 @@ async def test_hybrid_leaves_the_cq_disarmed_while_its_spin_polls_it() -> None:
     await _wake_and_spin(r, cq)
     assert not cq.armed and r.statistics()["arms"] == 0
     for _ in range(3):  # caught by the spin: no event, no arm
-        fut = loop.create_future()
-        cq.add(_wc(r.register(future_handler, fut)))
-        await asyncio.wait_for(fut, 2)
+        await _complete(r, cq)
     assert cq.events == 1 and not cq.armed and r.statistics()["wakeups"] == 1
     r._spin_deadline = 0.0  # the budget is spent
     await _spin_ends(r)
     assert cq.armed and r.statistics()["arms"] == 1
-    fut = loop.create_future()
-    cq.add(_wc(r.register(future_handler, fut)))
-    await asyncio.wait_for(fut, 2)
+    await _complete(r, cq)
     st = r.statistics()
     assert cq.events == 2 and st["wakeups"] == 2 and st["completions"] == 5
     r.close()
@@ -269,9 +267,7 @@ async def test_hybrid_arms_when_its_spin_is_preempted() -> None:
     time.sleep(0.002)  # the loop is held up; the thread "waits for a core"
     await _spin_ends(r)
     assert r.statistics()["spin_preempted"] == 1 and cq.armed
-    fut = loop.create_future()
-    cq.add(_wc(r.register(future_handler, fut)))
-    await asyncio.wait_for(fut, 2)
+    await _complete(r, cq)
     assert cq.events == 2
     r.close()
 
@@ -282,9 +278,7 @@ async def test_other_modes_rearm_on_every_wakeup(mode: str) -> None:
     r = CQReactor(FakeCtx(), loop, mode=mode)  # type: ignore[arg-type]
     cq: FakeCQ = r.acquire_cq(8)  # type: ignore[assignment]
     for i in range(3):
-        fut = loop.create_future()
-        cq.add(_wc(r.register(future_handler, fut)))
-        await asyncio.wait_for(fut, 2)
+        await _complete(r, cq)
         await asyncio.sleep(0)
         assert cq.armed and r.statistics()["arms"] >= i + 1
     r.close()
