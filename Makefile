@@ -108,7 +108,7 @@ bench: setup
 ## bounds it). Keep the
 ## output: AIORDMA_RXE_RESULTS=DIR make bench-rxe (DIR/output.log).
 BENCH_RXE_ARGS ?= --provider verbs --tests send_lat,write_bw --sizes-for send_lat=64,4K \
-	--sizes-for write_bw=64K,1M --iters 300 --max-seconds 2 --rounds 3 --baselines pyverbs,perftest
+	--sizes-for write_bw=64K,1M --iters 300 --max-seconds 2 --rounds 3 --baselines pyverbs,pyverbs-async,perftest
 BENCH_RXE_TIMEOUT ?= 420
 bench-rxe:
 	AIORDMA_RXE_TIMEOUT=$${AIORDMA_RXE_TIMEOUT:-$(BENCH_RXE_TIMEOUT)} \

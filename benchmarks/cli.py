@@ -9,7 +9,9 @@ in separate processes.
 Baselines (``--baselines``), measured in the same run with the same patterns and
 sizes: asyncio TCP and Unix sockets with the Protocol and streams APIs on the same
 event loop (``tcp-proto tcp-streams unix-proto unix-streams``), a memory-copy
-ceiling (``memcpy``); inside an RDMA-capable VM, ``pyverbs`` and ``perftest``.
+ceiling (``memcpy``); inside an RDMA-capable VM, ``pyverbs`` (a synchronous busy
+loop), ``pyverbs-async`` (the least an asyncio program over pyverbs does) and
+``perftest``.
 Every aiordma figure is reported with its ratio to each matching baseline; the first
 (reference) one is ``tcp-proto``.
 

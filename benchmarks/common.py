@@ -45,7 +45,7 @@ PATTERN = {
 
 SOCKET_BASELINES = ("tcp-proto", "tcp-streams", "unix-proto", "unix-streams")
 LOCAL_BASELINES = ("memcpy",)
-EXTERNAL_BASELINES = ("pyverbs", "perftest")
+EXTERNAL_BASELINES = ("pyverbs", "pyverbs-async", "perftest")
 DEFAULT_BASELINES = (*SOCKET_BASELINES, *LOCAL_BASELINES)
 #: the baseline every aiordma figure is compared with first (the issue's targets)
 REFERENCE = "tcp-proto"

@@ -1,5 +1,5 @@
 """Baselines that need a real RDMA device (the Soft-RoCE VM, tests/rxe/README.md;
-``make bench-rxe``): ``--baselines pyverbs,perftest``. Each checks what it needs first
+``make bench-rxe``): ``--baselines pyverbs,pyverbs-async,perftest``. Each checks what it needs first
 and raises ``BaselineUnavailable`` with the reason, so a run never silently compares
 against nothing.
 
@@ -9,6 +9,10 @@ against nothing.
   loop. Same tests, sizes, counts and measurement as aiordma's (it runs through
   ``benchmarks/worker.py`` and the same pair runner, rounds included); its CPU per
   operation counts both busy-polling processes.
+* ``pyverbs-async`` -- the same verbs objects and WRs driven from an asyncio loop at
+  the least cost (``benchmarks/pyverbs_async.py``): one Future per operation, resolved
+  by a CQ poller re-scheduled every loop iteration; the floor of any asyncio program
+  over pyverbs, run through the same harness as aiordma.
 * ``perftest`` -- runs perftest's ``ib_{send,write,read,atomic}_{lat,bw}`` (a server and
   a client process, loopback through the device: ``-d DEV -x GID_INDEX -p PORT -n
   ITERS -s SIZE``, ``-t WINDOW`` for bandwidth; the GID index is the one aiordma picks,
@@ -65,7 +69,7 @@ _PERFTEST = {
 
 def check(name: str, cfg: Config) -> None:
     """Raise BaselineUnavailable unless baseline ``name`` can run here."""
-    if name == "pyverbs":
+    if name in ("pyverbs", "pyverbs-async"):
         _active_verbs_device(cfg)
         return
     if name == "perftest":

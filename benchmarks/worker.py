@@ -4,7 +4,8 @@
     python -m benchmarks.worker client TRANSPORT CONFIG_JSON SERVER_INFO_JSON
 
 TRANSPORT ``pyverbs`` runs the synchronous baseline of ``benchmarks/pyverbs_sync.py``
-(same control protocol, no event loop).
+(same control protocol, no event loop); ``pyverbs-async`` the asyncio floor of
+``benchmarks/pyverbs_async.py`` (a backend of this harness, like the sockets).
 
 The server prints ``READY {json}`` (its control port and data address) on stdout and
 serves until the client says ``quit`` (or the control connection closes). The client
@@ -44,6 +45,10 @@ def _backend_server(transport: str, cfg: Config) -> Any:
         from .rdma import RdmaServer
 
         return RdmaServer(cfg)
+    if transport == "pyverbs-async":
+        from .pyverbs_async import AioVerbsServer
+
+        return AioVerbsServer(cfg)
     from .sockets import SocketServer
 
     family, api = transport.split("-")
@@ -55,6 +60,10 @@ def _backend_client(transport: str, cfg: Config, info: dict[str, Any]) -> Any:
         from .rdma import RdmaClient
 
         return RdmaClient(cfg, info)
+    if transport == "pyverbs-async":
+        from .pyverbs_async import AioVerbsClient
+
+        return AioVerbsClient(cfg, info)
     from .sockets import SocketClient
 
     family, api = transport.split("-")
@@ -120,7 +129,8 @@ async def _one(transport: str, backend: Any, ctl: Control, cfg: Config, test: st
     tmo = test_timeout(cfg)
     warm, iters = cfg.iters_for(test, size)
     window = cfg.window_for(test)
-    res.window = window if (transport == "aiordma" or PATTERN[test] == "source") else 0
+    res.window = window if (transport in ("aiordma", "pyverbs-async")
+                            or PATTERN[test] == "source") else 0
     info = await ctl.call(tmo, cmd="begin", test=test, size=size, window=window)
     cpu = CPUClock()
     if test in LAT_TESTS:
