@@ -384,12 +384,13 @@ def convert_wc(pwc: Any, opcode_hint: WCOpcode | None = None) -> WC:
     For an error status the hardware opcode is undefined, so ``opcode_hint`` (what the
     provider knows of the work request) wins when given.
     """
-    status = to_status(pwc.status)
+    status = _STATUS.get(int(pwc.status), WCStatus.GENERAL_ERR)  # to_status, inlined
     flags = int(pwc.wc_flags)
-    if status != WCStatus.SUCCESS and opcode_hint is not None:
+    if status is not WCStatus.SUCCESS and opcode_hint is not None:
         opcode = opcode_hint
     else:
-        opcode = to_wc_opcode(pwc.opcode, opcode_hint)
+        op = _OPCODE.get(int(pwc.opcode))
+        opcode = op if op is not None else to_wc_opcode(pwc.opcode, opcode_hint)
     return WC(
         int(pwc.wr_id),
         status,
@@ -571,6 +572,10 @@ class WorkQueues:
 
     def posted_send(self, entries: Iterable[tuple[int, bool, WCOpcode]]) -> None:
         self.sq.extend(_SendEntry(w, s, o) for w, s, o in entries)
+
+    def posted_send_one(self, wr_id: int, signaled: bool, opcode: WCOpcode) -> None:
+        """``posted_send`` of a single WR."""
+        self.sq.append(_SendEntry(wr_id, signaled, opcode))
 
     def posted_recv(self, wr_ids: Iterable[int]) -> None:
         self.rq.extend(wr_ids)

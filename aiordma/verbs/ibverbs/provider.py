@@ -957,18 +957,16 @@ class IbvQP(QP):
         if n > q.send_room():
             raise PostError(errno.ENOMEM, f"send queue full ({len(q.sq)} of {q.max_send} in "
                             f"use, {n} more posted)")
+        if n == 1 and len(wrs[0].sg_list) == 1:
+            self._post_one_send(wrs[0], st)
+            return
         ops = [self._check_send(wr) for wr in wrs]
         pvwr = self._pv.wr
         sges: list[Any] = []
         built: list[Any] = []
         head: Any = None
         try:
-            if n == 1 and len(wrs[0].sg_list) == 1:
-                head = self._one_send(wrs[0], ops[0])
-                wrs_to_build: list[tuple[SendWR, WROpcode]] = []
-            else:
-                wrs_to_build = list(zip(reversed(wrs), reversed(ops), strict=True))
-            for wr, op in wrs_to_build:
+            for wr, op in zip(reversed(wrs), reversed(ops), strict=True):
                 sg = [pvwr.SGE(s.addr, s.length, s.lkey) for s in wr.sg_list]
                 if not sg:
                     sg = [pvwr.SGE(0, 0, 0)]
@@ -1002,6 +1000,22 @@ class IbvQP(QP):
                 s.close()
         q.posted_send((wr.wr_id & _M64, bool(int(wr.send_flags) & _F_SIGNALED),
                        WC_OPCODE_FOR_WR[op]) for wr, op in zip(wrs, ops, strict=True))
+        if st == QPState.ERR:
+            self._flush_posted()
+
+    def _post_one_send(self, wr: SendWR, st: QPState) -> None:
+        """``post_send`` of one WR with one SGE (every frame of an endpoint): its cached
+        pyverbs WR (``_one_send``), no chain to build or free. The caller checked the
+        QP's state and the send queue's room; the rules and errors are post_send's."""
+        op = self._check_send(wr)
+        try:
+            self._qp.post_send(self._one_send(wr, op))
+        except self._pv.Error as exc:
+            raise PostError(compat.errno_of(exc), f"ibv_post_send: {exc}") from None
+        except OverflowError as exc:
+            raise InvalidWorkRequest(f"a work request field is out of range: {exc}") from None
+        self._queues.posted_send_one(wr.wr_id & _M64, bool(int(wr.send_flags) & _F_SIGNALED),
+                                     WC_OPCODE_FOR_WR[op])
         if st == QPState.ERR:
             self._flush_posted()
 
