@@ -67,7 +67,9 @@ Poll policy (``AIORDMA_POLL_MODE``, ``AIORDMA_SPIN_US``):
   its budget while the other waited for a core, 713 against 105 us per round trip. The
   adaptive spin stays with ``blocking`` there (about 100-160 us both).
 * ``polling``: while operations are outstanding, poll once per loop iteration
-  (``call_soon``), never arming; when nothing is outstanding, arm and block.
+  (``call_soon``), never arming; when nothing is outstanding, arm and block. (A polled
+  CQ's event is read and it is left disarmed, as in ``hybrid``'s spin; the tick that
+  finds nothing outstanding arms it and polls it once more.)
 
 Handlers: ``register(handler, arg) -> wr_id`` stores ``(handler, arg)`` under a
 counter-generated wr_id; the completion calls ``handler(wc, arg)`` exactly once, on
@@ -328,12 +330,13 @@ class CQReactor:
         and usually one poll; polling before arming too cost a second poll and a failed
         read, each a system call or a pyverbs call on a real device.)
 
-        hybrid, while it may spin, arms *lazily*: a polled CQ (no manual progress) is
-        left disarmed after its event and drained; the spin that follows polls it, and
-        it is armed (then drained once more) only when the spin ends (``_arm_idle``).
-        While the spin runs, its completions cost no event: no arm and no event read
-        here, and no event for the device to raise (in a pyverbs-only ping-pong on rxe,
-        re-arming after every poll doubled the peer's ``ibv_post_send``)."""
+        hybrid, while it may spin, and polling arm *lazily*: a polled CQ (no manual
+        progress) is left disarmed after its event and drained; the spin (the poll loop)
+        that follows polls it, and it is armed (then drained once more) only when that
+        ends (``_arm_idle``). Meanwhile its completions cost no event: no arm and no
+        event read here, and no event for the device to raise (in a pyverbs-only
+        ping-pong on rxe, re-arming after every poll doubled the peer's
+        ``ibv_post_send``)."""
         self.wakeups += 1
         if self._spin_scheduled:  # the spin saved this wake-up's sleep
             self._spin_hit = True
@@ -345,12 +348,15 @@ class CQReactor:
                 slot.cq.ack_events(slot.unacked)
                 slot.unacked = 0
         hybrid = self.mode == "hybrid" and self.spin_us > 0
-        if not (hybrid and slot.progress is None and time.perf_counter() >= self._quiet_until):
-            self._arm(slot)  # (else it stays disarmed: the spin polls it, _arm_idle arms it)
+        polling = self.mode == "polling"
+        if not (slot.progress is None and (
+                polling or (hybrid and time.perf_counter() >= self._quiet_until))):
+            self._arm(slot)  # (else it stays disarmed: the spin or the poll loop polls it,
+            #                   and _arm_idle arms it when that ends)
         self._drain(slot, until_empty=False)
         if hybrid:
             self._spin_from_now()
-        elif self.mode == "polling" and self._table:
+        elif polling:
             self._schedule_poll()
 
     def _arm(self, slot: _CQSlot) -> None:
@@ -496,6 +502,9 @@ class CQReactor:
             self.loop.call_soon(self._poll_tick)
 
     def _poll_tick(self) -> None:
+        """polling: one poll of every CQ per loop iteration while operations are
+        outstanding. When none are, the loop stops: the CQs it polled disarmed are armed
+        and drained once more (``_arm_idle``), so the next completion wakes the loop."""
         self._poll_scheduled = False
         if self._closed:
             return
@@ -503,6 +512,8 @@ class CQReactor:
             if slot.progress is not None:
                 slot.progress(False)
             self._drain(slot)
+        if not self._table:
+            self._arm_idle()
         if self._table:
             self._schedule_poll()
 

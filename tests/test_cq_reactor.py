@@ -272,13 +272,50 @@ async def test_hybrid_arms_when_its_spin_is_preempted() -> None:
     r.close()
 
 
-@pytest.mark.parametrize("mode", ["blocking", "polling"])
-async def test_other_modes_rearm_on_every_wakeup(mode: str) -> None:
+async def test_blocking_rearms_on_every_wakeup() -> None:
     loop = asyncio.get_running_loop()
-    r = CQReactor(FakeCtx(), loop, mode=mode)  # type: ignore[arg-type]
+    r = CQReactor(FakeCtx(), loop, mode="blocking")  # type: ignore[arg-type]
     cq: FakeCQ = r.acquire_cq(8)  # type: ignore[assignment]
     for i in range(3):
         await _complete(r, cq)
-        await asyncio.sleep(0)
-        assert cq.armed and r.statistics()["arms"] >= i + 1
+        assert cq.armed and r.statistics()["arms"] == i + 1
+    assert cq.events == 3
     r.close()
+
+
+# -- polling's lazy arming -----------------------------------------------------------
+async def _poll_loop_ends(r: CQReactor, limit_s: float = 2.0) -> None:
+    """Yield to the loop until the reactor's poll loop has stopped (bounded)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + limit_s
+    await asyncio.sleep(0)
+    while r._poll_scheduled:
+        assert loop.time() < deadline, "the poll loop never ended"
+        await asyncio.sleep(0)
+
+
+async def test_polling_leaves_the_cq_disarmed_while_operations_are_outstanding() -> None:
+    """While something is outstanding the poll loop polls the CQ every iteration and it
+    stays disarmed (its completions raise no event). The tick that finds nothing
+    outstanding arms it, and the next completion wakes the loop."""
+    loop = asyncio.get_running_loop()
+    r = CQReactor(FakeCtx(), loop, mode="polling")  # type: ignore[arg-type]
+    cq: FakeCQ = r.acquire_cq(8)  # type: ignore[assignment]
+    pending = loop.create_future()
+    pending_id = r.register(future_handler, pending)  # outstanding throughout
+    await _complete(r, cq)  # the wake-up: its event is read, the CQ left disarmed
+    assert cq.events == 1 and not cq.armed and r._poll_scheduled
+    for _ in range(3):  # taken by the poll loop: no event, no arm, no wake-up
+        await _complete(r, cq)
+    st = r.statistics()
+    assert cq.events == 1 and not cq.armed and st["wakeups"] == 1 and st["arms"] == 0
+    cq.add(_wc(pending_id))
+    await asyncio.wait_for(pending, 2)
+    await _poll_loop_ends(r)
+    assert cq.armed and r.statistics()["arms"] == 1
+    await _complete(r, cq)  # wakes the loop through the armed CQ
+    st = r.statistics()
+    assert cq.events == 2 and st["wakeups"] == 2 and st["completions"] == 6
+    await _poll_loop_ends(r)
+    r.close()
+    assert cq.acked == cq.events
