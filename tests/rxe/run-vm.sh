@@ -28,6 +28,7 @@ MIRROR=${AIORDMA_RXE_MIRROR:-http://deb.debian.org/debian}
 MEM=${AIORDMA_RXE_MEM:-2048}
 SMP=${AIORDMA_RXE_SMP:-2}
 ACCEL=${AIORDMA_RXE_ACCEL:-tcg,thread=multi}
+BOOT_TRIES=${AIORDMA_RXE_BOOT_TRIES:-3}
 GUEST_ADDR=10.0.2.15/24
 
 log() { printf 'aiordma-rxe: %s\n' "$*" >&2; }
@@ -51,7 +52,7 @@ options:
 environment: AIORDMA_RXE_SUITE (forky|bookworm), AIORDMA_RXE_CACHE, AIORDMA_RXE_TIMEOUT,
 AIORDMA_RXE_MIRROR, AIORDMA_RXE_RESULTS, AIORDMA_RXE_QUIET, AIORDMA_RXE_KEEP,
 AIORDMA_RXE_MEM, AIORDMA_RXE_SMP, AIORDMA_RXE_ACCEL, AIORDMA_RXE_EXTRA_PACKAGES,
-AIORDMA_RXE_PARALLEL (see tests/rxe/README.md)
+AIORDMA_RXE_PARALLEL, AIORDMA_RXE_BOOT_TRIES (see tests/rxe/README.md)
 EOF
 }
 
@@ -80,6 +81,7 @@ case "$SUITE" in
     *) die $EX_USAGE "AIORDMA_RXE_SUITE must be forky or bookworm (got '$SUITE')" ;;
 esac
 [[ "$TIMEOUT" =~ ^[0-9]+$ ]] || die $EX_USAGE "AIORDMA_RXE_TIMEOUT must be a number of seconds"
+[[ "$BOOT_TRIES" =~ ^[1-9][0-9]*$ ]] || die $EX_USAGE "AIORDMA_RXE_BOOT_TRIES must be a number >= 1"
 
 # ---- package list and cache key -----------------------------------------------------
 PKGS=()
@@ -426,7 +428,6 @@ run_vm() {
     } > "$ctl/env.sh"
     { echo '# the command given to run-vm.sh'; printf 'exec'; printf ' %q' "${CMD[@]}"; echo; } > "$ctl/cmd.sh"
 
-    qemu-img create -q -f qcow2 -F raw -b "$IMG_DIR/root.img" "$RUN_DIR/overlay.qcow2"
     touch "$IMG_DIR" 2>/dev/null || true     # "last used", for gc_images
 
     # One VM at a time per cache (the machines this runs on are small).
@@ -458,18 +459,41 @@ run_vm() {
 
     local shown="${CMD[*]}"
     [ ${#shown} -le 200 ] || shown="${shown:0:200}..."
-    log "booting $SUITE guest (timeout ${TIMEOUT}s): $shown"
-    local t0=$SECONDS qrc=0
-    : > "$console"
-    timeout -k 15 "$TIMEOUT" "${qemu[@]}" </dev/null >"$console" 2>&1 &
-    QEMU_PID=$!
-    if [ "$quiet" != 1 ]; then
-        tail -n +1 -f --pid="$QEMU_PID" "$console" | clean_console &
-        TAIL_PID=$!
-    fi
-    wait "$QEMU_PID" || qrc=$?
-    QEMU_PID=""
-    if [ -n "$TAIL_PID" ]; then wait "$TAIL_PID" 2>/dev/null || true; TAIL_PID=""; fi
+    local t0 qrc try=1 panic started
+    while :; do
+        log "booting $SUITE guest (timeout ${TIMEOUT}s): $shown"
+        # a fresh overlay per boot: a guest that crashed must not leave its writes behind
+        rm -f "$RUN_DIR/overlay.qcow2"
+        qemu-img create -q -f qcow2 -F raw -b "$IMG_DIR/root.img" "$RUN_DIR/overlay.qcow2"
+        t0=$SECONDS qrc=0
+        : > "$console"
+        timeout -k 15 "$TIMEOUT" "${qemu[@]}" </dev/null >"$console" 2>&1 &
+        QEMU_PID=$!
+        if [ "$quiet" != 1 ]; then
+            tail -n +1 -f --pid="$QEMU_PID" "$console" | clean_console &
+            TAIL_PID=$!
+        fi
+        wait "$QEMU_PID" || qrc=$?
+        QEMU_PID=""
+        if [ -n "$TAIL_PID" ]; then wait "$TAIL_PID" 2>/dev/null || true; TAIL_PID=""; fi
+        # The guest kernel now and then dies while booting under TCG (seen: an int3 oops
+        # in sched_clock_cpu during early init, forky's 7.2 kernel). When qemu ended on
+        # its own before the guest started the command (no AIORDMA-RXE-START, no setup
+        # failure), nothing of the command ran: boot again, up to AIORDMA_RXE_BOOT_TRIES.
+        # A crash after the start is the command's and is reported, never retried.
+        # (grep -c reads the whole console: grep -q could exit early and, with pipefail,
+        # the writer's SIGPIPE would read as "not found".)
+        started=$(clean_console < "$console" | grep -cE '^AIORDMA-RXE-(START|SETUP-FAILED)' || true)
+        if [ "$qrc" != 124 ] && [ "$qrc" != 137 ] && [ "$try" -lt "$BOOT_TRIES" ] \
+                && ! [ -s "$results/exit-code" ] && [ "${started:-0}" = 0 ]; then
+            panic=$(clean_console < "$console" | grep -E 'Kernel panic|Oops' | tail -n 1 || true)
+            log "boot $try of $BOOT_TRIES: the guest died before running the command${panic:+ ($panic)}; booting again"
+            try=$((try + 1))
+            rm -f "$results"/{output.log,boot-seconds,end-seconds,timed-out}
+            continue
+        fi
+        break
+    done
     local wall=$((SECONDS - t0))
 
     local rc="" boot="" marker setup
@@ -498,7 +522,10 @@ run_vm() {
     if [ "$qrc" = 124 ] || [ "$qrc" = 137 ]; then
         die $EX_TIMEOUT "timed out after ${TIMEOUT} s (AIORDMA_RXE_TIMEOUT) without the guest's exit marker"
     fi
-    die $EX_NOMARKER "qemu exited ($qrc) without the AIORDMA-RXE-EXIT marker: the guest crashed or never ran the command"
+    local boots=""
+    [ "$try" -gt 1 ] && boots=" (boot $try of $BOOT_TRIES; every one died before the command)"
+    [ "$try" -gt 1 ] && [ "${started:-0}" != 0 ] && boots=" (boot $try of $BOOT_TRIES)"
+    die $EX_NOMARKER "qemu exited ($qrc) without the AIORDMA-RXE-EXIT marker: the guest crashed or never ran the command$boots"
 }
 
 mkdir -p "$CACHE_ROOT"
