@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -118,13 +119,18 @@ async def _complete(r: CQReactor, cq: FakeCQ) -> None:
 
 
 # -- hybrid's adaptive spin ------------------------------------------------------------
-async def _spin_ends(r: CQReactor, limit_s: float = 2.0) -> None:
-    """Yield to the loop until the reactor's spin has stopped (bounded)."""
+async def _yield_while(busy: Callable[[], object], what: str, limit_s: float = 2.0) -> None:
+    """Yield to the loop while ``busy()`` is true (bounded: fails after ``limit_s``)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + limit_s
-    while r.statistics()["spins"] and r._spin_scheduled:
-        assert loop.time() < deadline, "the spin never ended"
+    while busy():
+        assert loop.time() < deadline, f"{what} never ended"
         await asyncio.sleep(0)
+
+
+async def _spin_ends(r: CQReactor) -> None:
+    """Yield to the loop until the reactor's spin has stopped (bounded)."""
+    await _yield_while(lambda: r.statistics()["spins"] and r._spin_scheduled, "the spin")
 
 
 async def test_hybrid_goes_quiet_when_its_spin_waits_for_a_core() -> None:
@@ -284,14 +290,10 @@ async def test_blocking_rearms_on_every_wakeup() -> None:
 
 
 # -- polling's lazy arming -----------------------------------------------------------
-async def _poll_loop_ends(r: CQReactor, limit_s: float = 2.0) -> None:
+async def _poll_loop_ends(r: CQReactor) -> None:
     """Yield to the loop until the reactor's poll loop has stopped (bounded)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + limit_s
     await asyncio.sleep(0)
-    while r._poll_scheduled:
-        assert loop.time() < deadline, "the poll loop never ended"
-        await asyncio.sleep(0)
+    await _yield_while(lambda: r._poll_scheduled, "the poll loop")
 
 
 async def test_polling_leaves_the_cq_disarmed_while_operations_are_outstanding() -> None:

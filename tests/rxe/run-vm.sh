@@ -413,7 +413,6 @@ run_vm() {
     local ctl="$RUN_DIR/ctl" results=${AIORDMA_RXE_RESULTS:-$RUN_DIR/results}
     mkdir -p "$ctl" "$results"
     results=$(cd "$results" && pwd -P)
-    rm -f "$results"/{exit-code,output.log,setup-failed,boot-seconds,end-seconds,timed-out}
 
     install -m 0755 "$HERE/guest-init.sh" "$ctl/guest-init.sh"
     printf 'RXE_SUITE=%q\nRXE_ADDR=%q\nRXE_TIMEOUT=%q\n' "$SUITE" "$GUEST_ADDR" "$TIMEOUT" > "$ctl/settings.sh"
@@ -462,8 +461,9 @@ run_vm() {
     local t0 qrc try=1 panic started
     while :; do
         log "booting $SUITE guest (timeout ${TIMEOUT}s): $shown"
-        # a fresh overlay per boot: a guest that crashed must not leave its writes behind
-        rm -f "$RUN_DIR/overlay.qcow2"
+        # a fresh overlay and results per boot: a guest that crashed leaves nothing behind
+        rm -f "$RUN_DIR/overlay.qcow2" \
+            "$results"/{exit-code,output.log,setup-failed,boot-seconds,end-seconds,timed-out}
         qemu-img create -q -f qcow2 -F raw -b "$IMG_DIR/root.img" "$RUN_DIR/overlay.qcow2"
         t0=$SECONDS qrc=0
         : > "$console"
@@ -489,7 +489,6 @@ run_vm() {
             panic=$(clean_console < "$console" | grep -E 'Kernel panic|Oops' | tail -n 1 || true)
             log "boot $try of $BOOT_TRIES: the guest died before running the command${panic:+ ($panic)}; booting again"
             try=$((try + 1))
-            rm -f "$results"/{output.log,boot-seconds,end-seconds,timed-out}
             continue
         fi
         break
