@@ -71,6 +71,27 @@ Poll policy (``AIORDMA_POLL_MODE``, ``AIORDMA_SPIN_US``):
   CQ's event is read and it is left disarmed, as in ``hybrid``'s spin; the tick that
   finds nothing outstanding arms it and polls it once more.)
 
+  And it **waits in place** (``wait_in_place``, like a socket's ``SO_BUSY_POLL``): an
+  endpoint about to suspend a task on an operation's future first polls the CQs itself,
+  in the task, for up to ``spin_us``, dispatching what it finds -- when no other task
+  is suspended on an operation of this reactor (``wait`` counts them): one that is
+  may be ready to run (uvloop does not show its ready queue), or be woken by what the
+  poll finds, and must not wait behind the hold. So a window of concurrent
+  operations, or a peer on the same loop, never waits in place. When its own
+  completion comes in that time the future is done and the ``await`` does not suspend:
+  no task switch and no loop iteration (its ``epoll_wait``) per operation, which is
+  most of what an asyncio round trip costs above a synchronous busy loop. The loop is
+  held meanwhile, so the holds are bounded: **in-place waits hold the loop for at most
+  ``spin_us`` in all between two of its iterations** (a marker callback scheduled
+  with the first hold notes each iteration); past that, tasks suspend as usual until
+  the loop has turned. A wait that runs out its whole budget is a miss, counted as in
+  ``hybrid``: ``_MISS_LIMIT`` in a row make the waits quiet for a back-off (the peer
+  answers slower than the budget, or it shares this process's loop and cannot answer
+  while the loop is held). A CQ with manual progress (``soft``) has its bytes moved
+  first, as the poll loop does. Never from inside a dispatch (an eager task started
+  by a completion handler): that would reorder completions. ``statistics()`` counts ``in_place_waits``, ``in_place_hits`` and
+  ``in_place_missed``.
+
 Handlers: ``register(handler, arg) -> wr_id`` stores ``(handler, arg)`` under a
 counter-generated wr_id; the completion calls ``handler(wc, arg)`` exactly once, on
 the loop thread, in CQ order. ``arg`` keeps the operation's buffers alive until then,
@@ -86,12 +107,13 @@ import os
 import time
 import weakref
 from collections.abc import Callable
-from typing import Any, ClassVar, Final
+from typing import Any, ClassVar, Final, TypeVar
 
 from .errors import CQOverrunError, RDMAError, completion_error
 from .verbs import CQ, WC, CompChannel, Context, WCStatus
 
 Handler = Callable[[WC, Any], None]
+T = TypeVar("T")
 
 MODES: Final = ("blocking", "hybrid", "polling")
 DEFAULT_MODE: Final = "hybrid"
@@ -194,7 +216,14 @@ class CQReactor:
         self._backoff = _BACKOFF_MIN_S
         self.thread_time: Callable[[], float] = time.thread_time
         self._expedite = False
+        self._dispatching = False  # a dispatch is on the stack (no in-place poll then)
+        self.in_place = False  # polling mode, a spin budget and a CQ to poll in place
+        self.suspended = 0  # tasks suspended in ``wait`` (they may be ready to run)
+        self._held_since = -1.0  # in-place waits hold the loop since (-1: it has turned)
         # statistics
+        self.in_place_waits = 0
+        self.in_place_hits = 0
+        self.in_place_missed = 0
         self.wakeups = 0
         self.spins = 0
         self.spin_preempted = 0
@@ -253,6 +282,7 @@ class CQReactor:
             slot.progress_fd = pfd
             slot.progress = channel.progress  # type: ignore[attr-defined]
             self.loop.add_reader(pfd, self._on_progress, slot)
+        self.in_place = self.mode == "polling" and self.spin_us > 0
         return cq
 
     def release_cq(self, cq: CQ, entries: int) -> None:
@@ -405,18 +435,86 @@ class CQReactor:
     def _dispatch(self, wcs: list[WC]) -> None:
         table = self._table
         self.completions += len(wcs)
-        for wc in wcs:
-            entry = table.pop(wc.wr_id, None)
-            if entry is None:
-                self.unknown_wr_ids += 1
-                continue
-            try:
-                entry[0](wc, entry[1])
-            except Exception as exc:  # a bug in a handler must not stop the dispatch
-                self.loop.call_exception_handler({
-                    "message": "aiordma: completion handler raised",
-                    "exception": exc,
-                })
+        self._dispatching = True
+        try:
+            for wc in wcs:
+                entry = table.pop(wc.wr_id, None)
+                if entry is None:
+                    self.unknown_wr_ids += 1
+                    continue
+                try:
+                    entry[0](wc, entry[1])
+                except Exception as exc:  # a bug in a handler must not stop the dispatch
+                    self.loop.call_exception_handler({
+                        "message": "aiordma: completion handler raised",
+                        "exception": exc,
+                    })
+        finally:
+            self._dispatching = False
+
+    async def wait(self, fut: asyncio.Future[T], spin: bool = True) -> T:
+        """``await fut``, in polling mode (``in_place``): first ``wait_in_place(fut)``
+        (unless ``spin`` is false: the completion needs the loop first, e.g. an
+        operation not posted yet), and counted in ``suspended`` while the task is
+        suspended. Returns or raises what ``await fut`` does; cancellation too."""
+        if spin and self.wait_in_place(fut):
+            return fut.result()
+        self.suspended += 1
+        try:
+            return await fut
+        finally:
+            self.suspended -= 1
+
+    def wait_in_place(self, fut: asyncio.Future[Any]) -> bool:
+        """polling mode: poll the CQs here, dispatching their completions, until ``fut``
+        is done or the in-place budget is spent (see the module docstring); returns
+        ``fut.done()``. Called by a task just before it awaits ``fut``; it never
+        suspends, never raises what a handler raises (the loop's exception handler gets
+        it, as in every dispatch), and does nothing (returns at once) when the mode does
+        not wait in place, another task is suspended in ``wait`` (it may be ready to run,
+        or be woken by what this poll finds), the waits are quiet, the loop has been
+        held for ``spin_us`` since its last iteration, or a dispatch is on the stack.
+        """
+        if fut.done():
+            return True
+        if not self.in_place or self.suspended or self._dispatching or self._closed:
+            return False
+        now = time.perf_counter()
+        if now < self._quiet_until:
+            return False
+        budget = self.spin_us * 1e-6
+        held = self._held_since
+        whole = held < 0.0  # the loop has turned: this wait has the whole budget
+        if whole:
+            self._held_since = held = now
+            self.loop.call_soon(self._loop_turned)
+        deadline = held + budget
+        if now >= deadline:
+            return False
+        self.in_place_waits += 1
+        slots = self._slots
+        drain = self._drain
+        while True:
+            for slot in slots:
+                if slot.progress is not None:
+                    slot.progress(False)
+                drain(slot)
+            if fut.done():
+                self.in_place_hits += 1
+                self._spin_misses = 0
+                return True
+            if self._closed or time.perf_counter() >= deadline:
+                break
+        if whole:  # it ran out its whole budget: a miss
+            self.in_place_missed += 1
+            self._spin_misses += 1
+            if self._spin_misses >= _MISS_LIMIT:
+                self._spin_misses = _MISS_LIMIT - 1  # the probe after the quiet decides
+                self._go_quiet(time.perf_counter())
+        return False
+
+    def _loop_turned(self) -> None:
+        self._held_since = -1.0
 
     def _spin_from_now(self) -> None:
         """hybrid: keep the loop polling for ``spin_us`` from now (unless quiet)."""
@@ -541,8 +639,11 @@ class CQReactor:
     def statistics(self) -> dict[str, Any]:
         """Counters: wakeups, spins, spin_hits (completions a spin caught), spin_preempted
         and spin_missed (spins ended by preemption, or run out without a completion),
-        quiet_periods (hybrid's back-offs), polls, arms (re-arms after the first),
-        completions, completions per wake-up, outstanding WRs, CQs, mode and spin budget."""
+        quiet_periods (hybrid's and the in-place waits' back-offs), polls, arms (re-arms
+        after the first), completions, completions per wake-up, outstanding WRs, CQs,
+        mode and spin budget, and polling's in_place_waits, in_place_hits (the future
+        was done when the wait returned) and in_place_missed (waits that ran out their
+        whole budget)."""
         return {
             "mode": self.mode,
             "spin_us": self.spin_us,
@@ -559,6 +660,9 @@ class CQReactor:
             "outstanding": len(self._table),
             "cqs": len(self._slots),
             "unknown_wr_ids": self.unknown_wr_ids,
+            "in_place_waits": self.in_place_waits,
+            "in_place_hits": self.in_place_hits,
+            "in_place_missed": self.in_place_missed,
         }
 
     def ack_pending(self) -> None:
@@ -591,6 +695,7 @@ class CQReactor:
             slot.cq.close()
             slot.channel.close()
         self._slots.clear()
+        self.in_place = False
         self._table.clear()
 
     def __repr__(self) -> str:

@@ -503,7 +503,10 @@ class Endpoint:
         q.append(op)
         self._kick()
         try:
-            await fut
+            if self._reactor.in_place:
+                await self._reactor.wait(fut, op.posted)
+            else:
+                await fut
         except asyncio.CancelledError:
             if not op.posted:
                 self._unqueue(q, op)
@@ -638,7 +641,10 @@ class Endpoint:
         fut: asyncio.Future[None] = self._loop.create_future()
         waiters.append(fut)
         try:
-            await fut
+            if self._reactor.in_place:
+                await self._reactor.wait(fut)
+            else:
+                await fut
         finally:
             if fut in waiters:
                 waiters.remove(fut)
@@ -836,6 +842,8 @@ class Endpoint:
         self._kick()
         assert op.fut is not None
         try:
+            if self._reactor.in_place:
+                return await self._reactor.wait(op.fut, op.posted)
             return await op.fut
         except asyncio.CancelledError:
             if not op.posted:

@@ -321,3 +321,211 @@ async def test_polling_leaves_the_cq_disarmed_while_operations_are_outstanding()
     await _poll_loop_ends(r)
     r.close()
     assert cq.acked == cq.events
+
+
+# -- polling's in-place waits ----------------------------------------------------------
+def test_only_polling_with_a_budget_waits_in_place() -> None:
+    loop = asyncio.new_event_loop()
+    try:
+        for mode, spin, expected in (("polling", 100, True), ("polling", 0, False),
+                                     ("hybrid", 100, False), ("blocking", 100, False)):
+            r = CQReactor(FakeCtx(), loop, mode=mode, spin_us=spin)  # type: ignore[arg-type]
+            assert not r.in_place  # no CQ yet: nothing to poll
+            r.acquire_cq(8)
+            assert r.in_place is expected, (mode, spin)
+            fut = loop.create_future()
+            polls = r.polls
+            assert r.wait_in_place(fut) is False
+            assert r.polls == polls or expected  # only an in-place reactor polls here
+            r.close()
+            assert not r.in_place
+    finally:
+        loop.close()
+
+
+async def test_wait_in_place_dispatches_in_cq_order_until_its_future_is_done() -> None:
+    """The completion the task waits for arrives while it polls in place: every
+    completion before it is dispatched first, in CQ order, and the future is done when
+    the call returns, so the ``await`` would not suspend."""
+    loop = asyncio.get_running_loop()
+    r = CQReactor(FakeCtx(), loop, mode="polling", spin_us=500_000)  # type: ignore[arg-type]
+    cq: FakeCQ = r.acquire_cq(8)  # type: ignore[assignment]
+    order: list[int] = []
+    other = [r.register(lambda wc, _a: order.append(wc.wr_id), None) for _ in range(3)]
+    mine = loop.create_future()
+    mine_id = r.register(future_handler, mine)
+    later = loop.create_future()
+    later_id = r.register(future_handler, later)
+    cq.add(_wc(other[0]))
+    polls: list[int] = []
+
+    def arrive() -> None:  # the rest lands while the task polls
+        polls.append(r.polls)
+        cq.add_batch([_wc(other[1]), _wc(other[2]), _wc(mine_id)])
+
+    cq.after_poll = arrive
+    assert r.wait_in_place(mine) is True
+    assert mine.done() and mine.result().wr_id == mine_id and not later.done()
+    assert order == other
+    st = r.statistics()
+    assert (st["in_place_waits"], st["in_place_hits"], st["in_place_missed"]) == (1, 1, 0)
+    assert st["wakeups"] == 0  # nothing went through the loop
+    assert r.wait_in_place(mine) is True  # done already: no poll
+    assert r.statistics()["in_place_waits"] == 1
+    cq.add(_wc(later_id))
+    await asyncio.wait_for(later, 2)  # the loop's own path still works
+    r.close()
+
+
+async def test_in_place_waits_hold_the_loop_at_most_the_budget_between_its_turns() -> None:
+    """A wait that runs out its budget returns False after at least ``spin_us``; until
+    the loop has turned, the next wait does not poll at all; after a turn it polls
+    again. The loop was never held longer than the budget by in-place waits."""
+    loop = asyncio.get_running_loop()
+    spin_us = 3000
+    r = CQReactor(FakeCtx(), loop, mode="polling", spin_us=spin_us)  # type: ignore[arg-type]
+    r.acquire_cq(8)
+    fut = loop.create_future()
+    r.register(future_handler, fut)
+    t0 = time.perf_counter()
+    assert r.wait_in_place(fut) is False
+    held = time.perf_counter() - t0
+    assert held >= spin_us * 1e-6
+    st = r.statistics()
+    assert (st["in_place_waits"], st["in_place_missed"]) == (1, 1)
+    polls = st["polls"]
+    assert r.wait_in_place(fut) is False  # the loop has not turned: no poll
+    assert r.statistics()["polls"] == polls and r.statistics()["in_place_waits"] == 1
+    await asyncio.sleep(0)  # the loop turns
+    await asyncio.sleep(0)
+    assert r.wait_in_place(fut) is False
+    st = r.statistics()
+    assert st["in_place_waits"] == 2 and st["polls"] > polls
+    # a hit does not end the hold: one that used the budget leaves none to the next
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    cq: FakeCQ = r._slots[0].cq  # type: ignore[assignment]
+    hit = loop.create_future()
+    hit_id = r.register(future_handler, hit)
+
+    poll = cq.poll
+
+    def late(n: int) -> list[WC]:  # the completion comes as the budget runs out
+        if cq.poll is late:
+            cq.poll = poll  # type: ignore[method-assign]
+            time.sleep(spin_us * 1e-6)
+            cq.add(_wc(hit_id))
+        return poll(n)
+
+    cq.poll = late  # type: ignore[method-assign]
+    assert r.wait_in_place(hit) is True
+    polls = r.polls
+    assert r.wait_in_place(fut) is False
+    assert r.polls == polls and r.statistics()["in_place_waits"] == 3
+    fut.cancel()
+    r.close()
+
+
+async def test_in_place_waits_go_quiet_after_missing_in_a_row() -> None:
+    """``_MISS_LIMIT`` waits in a row that ran out their budget (the peer answers slower,
+    or it needs this loop to answer) make the waits quiet: the next one returns at once
+    without polling; a hit in between resets the count."""
+    loop = asyncio.get_running_loop()
+    r = CQReactor(FakeCtx(), loop, mode="polling", spin_us=200)  # type: ignore[arg-type]
+    cq: FakeCQ = r.acquire_cq(8)  # type: ignore[assignment]
+    waiting = loop.create_future()
+    r.register(future_handler, waiting)
+
+    async def miss() -> None:
+        await asyncio.sleep(0)  # a loop turn: a fresh hold
+        await asyncio.sleep(0)
+        assert r.wait_in_place(waiting) is False
+
+    for _ in range(_MISS_LIMIT - 1):
+        await miss()
+    hit = loop.create_future()
+    hit_id = r.register(future_handler, hit)
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    cq.after_poll = lambda: cq.add(_wc(hit_id))
+    assert r.wait_in_place(hit) is True  # resets the count
+    for _ in range(_MISS_LIMIT - 1):
+        await miss()
+    assert r.statistics()["quiet_periods"] == 0
+    await miss()
+    st = r.statistics()
+    assert st["quiet_periods"] == 1 and st["in_place_missed"] == 2 * _MISS_LIMIT - 1
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    polls = r.polls
+    assert r.wait_in_place(waiting) is False  # quiet: no poll
+    assert r.statistics()["polls"] == polls
+    assert r.statistics()["in_place_waits"] == 2 * _MISS_LIMIT
+    waiting.cancel()
+    r.close()
+
+
+async def test_no_wait_in_place_from_inside_a_dispatch() -> None:
+    """A task started eagerly by a completion handler must not poll in place: the
+    dispatch on the stack still holds completions it took from the CQ, and polling
+    again would dispatch later ones before them."""
+    loop = asyncio.get_running_loop()
+    r = CQReactor(FakeCtx(), loop, mode="polling", spin_us=500_000)  # type: ignore[arg-type]
+    cq: FakeCQ = r.acquire_cq(8)  # type: ignore[assignment]
+    order: list[str] = []
+    inner = loop.create_future()
+    inner_id = r.register(future_handler, inner)
+    results: list[bool] = []
+
+    def first(_wc: WC, _a: Any) -> None:
+        order.append("first")
+        results.append(r.wait_in_place(inner))  # as an eager task's first step would
+
+    a = r.register(first, None)
+    b = r.register(lambda _wc, _a: order.append("second"), None)
+    cq.add_batch([_wc(a), _wc(b), _wc(inner_id)])
+    await asyncio.wait_for(inner, 2)
+    assert results == [False] and order == ["first", "second"]
+    assert r.statistics()["in_place_waits"] == 0
+    await _poll_loop_ends(r)
+    r.close()
+
+
+async def test_no_wait_in_place_while_another_task_is_suspended_on_an_operation() -> None:
+    """``wait`` counts the tasks it suspends: while one is (it may be ready to run, or
+    be woken by what a poll finds), nobody polls in place; once it has resumed, or was
+    cancelled, waits poll in place again. ``spin=False`` never polls in place."""
+    loop = asyncio.get_running_loop()
+    r = CQReactor(FakeCtx(), loop, mode="polling", spin_us=200)  # type: ignore[arg-type]
+    cq: FakeCQ = r.acquire_cq(8)  # type: ignore[assignment]
+    first = loop.create_future()
+    first_id = r.register(future_handler, first)
+    task = asyncio.create_task(r.wait(first))
+    await _yield_while(lambda: not r.suspended, "the first wait")
+    assert r.statistics()["in_place_missed"] == 1 and r.suspended == 1
+    other = loop.create_future()
+    r.register(future_handler, other)
+    await asyncio.sleep(0)  # the loop turns: the first wait's hold is over
+    await asyncio.sleep(0)
+    polls = r.polls
+    assert r.wait_in_place(other) is False
+    assert r.polls == polls and r.statistics()["in_place_waits"] == 1
+    cq.add(_wc(first_id))
+    assert (await asyncio.wait_for(task, 2)).wr_id == first_id
+    assert r.suspended == 0
+    assert r.wait_in_place(other) is False  # polls again (and misses)
+    assert r.statistics()["in_place_waits"] == 2
+    # cancelled while suspended: no longer counted
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    third = loop.create_future()
+    r.register(future_handler, third)
+    task = asyncio.create_task(r.wait(third, spin=False))
+    await _yield_while(lambda: not r.suspended, "the third wait")
+    assert r.statistics()["in_place_waits"] == 2  # spin=False: no poll in place
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert r.suspended == 0 and third.cancelled()
+    other.cancel()
+    r.close()

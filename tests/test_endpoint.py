@@ -78,6 +78,34 @@ async def test_every_poll_mode_end_to_end(opts: dict, mode: str) -> None:
             await asyncio.wait_for(srv.recv(), T)
 
 
+async def test_polling_waits_in_place(opts: dict) -> None:
+    """``polling`` polls in place in the waiting task (cq_reactor.wait_in_place; the
+    ``soft`` device's bytes are moved there too): messages, one-sided operations and
+    atomics complete there, in order and intact, even with the peer on this loop (its
+    answers then wait for the loop: those waits miss)."""
+    async with pair(opts, poll_mode="polling", spin_us=2000) as (ep, q):
+        srv = await server_ep(q)
+        region = srv.register(bytearray(64), remote_read=True, remote_write=True,
+                              remote_atomic=True)
+        local = ep.register(bytearray(64))
+        for i in range(20):
+            await asyncio.wait_for(ep.send(payload(64, i)), T)
+            assert await asyncio.wait_for(srv.recv(), T) == payload(64, i)
+            await asyncio.wait_for(srv.send(payload(100, i)), T)
+            assert await asyncio.wait_for(ep.recv(), T) == payload(100, i)
+            local.view[:] = payload(64, i)
+            await asyncio.wait_for(ep.write(local, region.remote()), T)
+            assert bytes(region.view) == payload(64, i)
+            old = await asyncio.wait_for(ep.fetch_add(region.remote().slice(0, 8), 1), T)
+            assert old == int.from_bytes(payload(64, i)[:8], "little")
+        st = ep.statistics()["reactor"]
+        assert ep._reactor.in_place
+        assert st["in_place_waits"] > 0 and st["in_place_hits"] > 0, st
+        await asyncio.wait_for(ep.close(), T)
+        with pytest.raises(aiordma.ConnectionClosed):
+            await asyncio.wait_for(srv.recv(), T)
+
+
 async def test_a_second_poll_mode_on_the_same_loop_is_refused(opts: dict) -> None:
     """The poll policy belongs to the device's reactor on this loop: a connection that
     asks for another one gets a clear ValueError (not silently the first one's policy),
