@@ -498,7 +498,7 @@ class CQReactor:
             for slot in slots:
                 if slot.progress is not None:
                     slot.progress(False)
-                drain(slot)
+                drain(slot, False)  # a short batch: look at fut before polling again
             if fut.done():
                 self.in_place_hits += 1
                 self._spin_misses = 0
