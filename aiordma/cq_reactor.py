@@ -79,12 +79,12 @@ Poll policy (``AIORDMA_POLL_MODE``, ``AIORDMA_SPIN_US``):
   poll finds, and must not wait behind the hold. So a window of concurrent
   operations, or a peer on the same loop, never waits in place. When its own
   completion comes in that time the future is done and the ``await`` does not suspend:
-  no task switch and no loop iteration (its ``epoll_wait``) per operation, which is
-  most of what an asyncio round trip costs above a synchronous busy loop. The loop is
-  held meanwhile, so the holds are bounded: **in-place waits hold the loop for at most
-  ``spin_us`` in all between two of its iterations** (a marker callback scheduled
-  with the first hold notes each iteration); past that, tasks suspend as usual until
-  the loop has turned. A wait that runs out its whole budget is a miss, counted as in
+  no task switch and no loop iteration (its ``epoll_wait``) for that operation. The
+  loop is held meanwhile, so the holds are bounded: **in-place waits stop polling once
+  they have held the loop for** ``spin_us`` **in all since its last iteration** (a
+  marker callback scheduled with the first hold notes each iteration; the handlers a
+  poll dispatched finish first); past that, tasks suspend as usual until the loop has
+  turned. A wait that runs out its whole budget is a miss, counted as in
   ``hybrid``: ``_MISS_LIMIT`` in a row make the waits quiet for a back-off (the peer
   answers slower than the budget, or it shares this process's loop and cannot answer
   while the loop is held). A CQ with manual progress (``soft``) has its bytes moved
