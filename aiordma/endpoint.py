@@ -535,6 +535,8 @@ class Endpoint:
         is delivered) or when the connection failed. Cancellation never loses a message.
         """
         rxq = self._rx
+        if not rxq and not self._receivers and self._reactor.in_place:
+            self._rx_in_place()
         if rxq and not self._receivers and not self._failed:
             rx = rxq[0]
             if rx.kind == _RX_DATA:  # already here, nobody queued before us: no lock
@@ -548,6 +550,19 @@ class Endpoint:
             self._receivers -= 1
             if not self._receivers and self._deferred:
                 self._schedule_prefetch()
+
+    def _rx_in_place(self) -> None:
+        """polling mode, nothing received yet and nobody else receiving: wait in place
+        (cq_reactor.wait_in_place) for the next frame, so that a message that comes in
+        time takes the no-lock path of ``recv``/``recv_into`` instead of the waiter
+        machinery. Returns whether or not one came (the caller looks); never suspends."""
+        if self._failed or self._closing is not None:
+            return
+        fut: asyncio.Future[None] = self._loop.create_future()
+        waiters = self._rx_waiters
+        waiters.append(fut)
+        if not self._reactor.wait_in_place(fut) and fut in waiters:
+            waiters.remove(fut)
 
     async def _recv_locked(self) -> bytes:
         async with self._recv_lock:
@@ -579,6 +594,8 @@ class Endpoint:
         if out.ndim != 1 or out.format != "B":
             out = out.cast("B")
         rxq = self._rx
+        if not rxq and not self._receivers and self._reactor.in_place:
+            self._rx_in_place()
         if rxq and not self._receivers and not self._failed:
             rx = rxq[0]
             if rx.kind == _RX_DATA and rx.length <= out.nbytes:

@@ -101,6 +101,18 @@ async def test_polling_waits_in_place(opts: dict) -> None:
         st = ep.statistics()["reactor"]
         assert ep._reactor.in_place
         assert st["in_place_waits"] > 0 and st["in_place_hits"] > 0, st
+        # a receive whose message comes only after its in-place wait ran out (the sender
+        # is this task) falls back to the waiter path and still gets it, and the sender
+        # does not wait in place while that receiver is suspended
+        for recv in (srv.recv, lambda: srv.recv_into(bytearray(64))):
+            waiting = asyncio.ensure_future(recv())
+            await asyncio.sleep(0.01)
+            assert not waiting.done() and ep._reactor.suspended == 1
+            waits = ep._reactor.in_place_waits
+            await asyncio.wait_for(ep.send(b"late"), T)
+            assert ep._reactor.in_place_waits == waits
+            assert await asyncio.wait_for(waiting, T) in (b"late", 4)
+            assert ep._reactor.suspended == 0
         await asyncio.wait_for(ep.close(), T)
         with pytest.raises(aiordma.ConnectionClosed):
             await asyncio.wait_for(srv.recv(), T)
