@@ -555,7 +555,7 @@ class Endpoint:
         """polling mode, nothing received yet and nobody else receiving: wait in place
         (cq_reactor.wait_in_place) for the next frame, so that a message that comes in
         time takes the no-lock path of ``recv``/``recv_into`` instead of the waiter
-        machinery. Returns whether or not one came (the caller looks); never suspends."""
+        machinery. The caller then looks at the receive queue; this never suspends."""
         if self._failed or self._closing is not None:
             return
         fut: asyncio.Future[None] = self._loop.create_future()
