@@ -89,8 +89,8 @@ Poll policy (``AIORDMA_POLL_MODE``, ``AIORDMA_SPIN_US``):
   answers slower than the budget, or it shares this process's loop and cannot answer
   while the loop is held). A CQ with manual progress (``soft``) has its bytes moved
   first, as the poll loop does. Never from inside a dispatch (an eager task started
-  by a completion handler): that would reorder completions. ``statistics()`` counts ``in_place_waits``, ``in_place_hits`` and
-  ``in_place_missed``.
+  by a completion handler): that would reorder completions. ``statistics()`` counts
+  ``in_place_waits``, ``in_place_hits`` and ``in_place_missed``.
 
 Handlers: ``register(handler, arg) -> wr_id`` stores ``(handler, arg)`` under a
 counter-generated wr_id; the completion calls ``handler(wc, arg)`` exactly once, on
@@ -507,10 +507,7 @@ class CQReactor:
                 break
         if whole:  # it ran out its whole budget: a miss
             self.in_place_missed += 1
-            self._spin_misses += 1
-            if self._spin_misses >= _MISS_LIMIT:
-                self._spin_misses = _MISS_LIMIT - 1  # the probe after the quiet decides
-                self._go_quiet(time.perf_counter())
+            self._missed(time.perf_counter())
         return False
 
     def _loop_turned(self) -> None:
@@ -561,10 +558,16 @@ class CQReactor:
             self._spin_misses = 0
         else:
             self.spin_missed += 1
-            self._spin_misses += 1
-            if self._spin_misses >= _MISS_LIMIT:
-                self._spin_misses = _MISS_LIMIT - 1  # the probe after the quiet decides
-                self._go_quiet(now)
+            self._missed(now)
+
+    def _missed(self, now: float) -> None:
+        """A spin, or an in-place wait, ran out its whole budget without the completion
+        it waited for: the ``_MISS_LIMIT``-th in a row goes quiet (``_go_quiet``); a hit
+        resets the count."""
+        self._spin_misses += 1
+        if self._spin_misses >= _MISS_LIMIT:
+            self._spin_misses = _MISS_LIMIT - 1  # the probe after the quiet decides
+            self._go_quiet(now)
 
     def _preempted(self, now: float) -> bool:
         """Has this thread waited for a core for a large share of its recent spinning
