@@ -364,16 +364,30 @@ class Endpoint:
         # acknowledged before it dropped the connection): collect it first.
         self._reactor.drain_cq(self._cq)
         if not self._remote_closed:
-            # Work already posted ends with its own completion shortly (the peer's QP is
-            # in ERR or gone): give it a moment so callers see the precise error.
-            deadline = self._loop.time() + _GRACE_S
-            while self._sq.awaited and not self._failed and self._loop.time() < deadline:
-                await asyncio.sleep(0.005)
+            # Give posted work a moment, so that callers see the precise error.
+            await self._grace_for_posted()
             self._fail(ConnectionClosed("peer closed the connection"))
         else:
             # Like TCP's CLOSE_WAIT: the application still reads what was sent before
             # the peer's CLOSE, then closes us. Nothing can reach the peer any more.
             self._on_peer_gone()
+            # Sends posted before we knew that end with their completion if the peer
+            # acknowledged them in time. The rest never reached its application: rxe
+            # may retransmit them into the void for longer than any close waits (seen:
+            # over 20 s), so after the grace period their senders get ConnectionClosed
+            # (their buffers stay pinned until the teardown).
+            await self._grace_for_posted()
+            if not self._failed:
+                for op in self._posted_ops():
+                    if op.fut is not None and not op.fut.done():
+                        op.fut.set_exception(ConnectionClosed("the peer closed the connection"))
+
+    async def _grace_for_posted(self) -> None:
+        """Wait up to ``_GRACE_S`` (the peer's QP is in ERR or gone) for posted work that
+        somebody awaits to end with its own completion; returns early on a failure."""
+        deadline = self._loop.time() + _GRACE_S
+        while self._sq.awaited and not self._failed and self._loop.time() < deadline:
+            await asyncio.sleep(0.005)
 
     def _on_peer_gone(self) -> None:
         """The peer sent CLOSE and then tore its endpoint down. What we received stays

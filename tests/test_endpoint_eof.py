@@ -12,6 +12,8 @@ from _pairs import T
 from _pairs import pair as endpoint_pair
 
 import aiordma
+from aiordma import native
+from aiordma.verbs import QPAttr, QPState, SendWR
 
 
 @contextlib.asynccontextmanager
@@ -136,6 +138,43 @@ async def test_peer_closed_with_our_sends_short_of_credits_fails_them(provider_n
         with pytest.raises(aiordma.ConnectionClosed):
             await asyncio.wait_for(ep.send_eof(), T)
         await asyncio.wait_for(ep.close(), T)  # no CLOSE frame to a dead peer, no wait
+
+
+async def test_peer_closed_fails_the_posted_sends_it_never_acknowledged(
+        provider_name: str) -> None:
+    """The peer sent CLOSE and tore down while a send of ours was posted and never
+    acknowledged (rxe retransmits such a send into the void for longer than any close
+    waits): after the grace period the sender gets ConnectionClosed instead of hanging."""
+    if "aiordma.endpoint" in native.compiled_modules():
+        pytest.skip("replaces the endpoint's QP with a stand-in (a compiled class refuses)")
+    async with pair(provider_name) as (ep, srv):
+        real = ep._qp
+        held: list[SendWR] = []
+
+        class Void:
+            """The QP, except that sends are accepted and held (never complete)."""
+
+            def __getattr__(self, name: str) -> object:
+                return getattr(real, name)
+
+            def post_send(self, wrs: list[SendWR]) -> None:
+                held.extend(wrs)
+
+        ep._qp = Void()  # type: ignore[assignment]
+        try:
+            send = asyncio.ensure_future(ep.send(b"into the void"))
+            await asyncio.sleep(0.1)
+            assert not send.done()
+            await asyncio.wait_for(srv.close(), T)
+            with pytest.raises(aiordma.ConnectionClosed, match="peer closed"):
+                await asyncio.wait_for(send, T)
+            assert not ep.closed  # CLOSE_WAIT: the endpoint itself is still open
+        finally:
+            ep._qp = real
+            # what a device does with them once the QP is in ERR: flush them (the
+            # teardown waits for that)
+            real.modify(QPAttr(QPState.ERR))
+            real.post_send(held)
 
 
 async def test_peer_closed_we_read_everything_later(provider_name: str) -> None:
