@@ -237,6 +237,28 @@ def test_find_channel_in_real_memory() -> None:
         mem.close()
 
 
+def test_find_cq_pointer_in_real_memory() -> None:
+    mem = compat.ProcSelfMem()
+    ctx_ptr, token = 0x55550000, 0x66660000
+    cq = (ctypes.c_char * compat.CQ_PROBE_SIZE)()
+    struct.pack_into("=QQQ", cq, 0, ctx_ptr, 0, token)
+    other_ctx = (ctypes.c_char * compat.CQ_PROBE_SIZE)()
+    struct.pack_into("=QQQ", other_ctx, 0, ctx_ptr + 8, 0, token)
+    other_token = (ctypes.c_char * compat.CQ_PROBE_SIZE)()
+    struct.pack_into("=QQQ", other_token, 0, ctx_ptr, 0, token + 8)
+    words = [7, ctypes.addressof(other_ctx), ctypes.addressof(cq), ctypes.addressof(other_token),
+             ctypes.addressof(cq), 1 << 50]
+    try:
+        assert compat.find_cq_pointer(words, ctx_ptr, token, mem.read) == ctypes.addressof(cq)
+        assert compat.find_cq_pointer(words, ctx_ptr, token + 16, mem.read) is None
+        twin = (ctypes.c_char * compat.CQ_PROBE_SIZE)()
+        struct.pack_into("=QQQ", twin, 0, ctx_ptr, 0, token)
+        assert compat.find_cq_pointer(words + [ctypes.addressof(twin)], ctx_ptr, token,
+                                      mem.read) is None  # two qualify: refuse to guess
+    finally:
+        mem.close()
+
+
 def test_object_words_sees_the_fields_of_an_object() -> None:
     class Holder:
         __slots__ = ("a", "b")
@@ -292,6 +314,63 @@ def test_convert_wc() -> None:
     assert compat.convert_wc(_pwc(status=77)).status is WCStatus.GENERAL_ERR
     assert compat.convert_wc(_pwc(opcode=6)).opcode is WCOpcode.SEND  # e.g. LOCAL_INV
     assert compat.convert_wc(_pwc(opcode=0x83)).opcode is WCOpcode.RECV
+    # the struct ibv_wc layout that CQPoller unpacks: 48 bytes, fields at their offsets
+    assert compat.IBV_WC.size == 48
+    raw = compat.IBV_WC.pack(*compat.pwc_fields(_pwc(wr_id=1 << 63, byte_len=9)), 0xFFFF,
+                             1, 2, 3)
+    assert struct.unpack_from("=Q", raw, 0)[0] == 1 << 63
+    assert struct.unpack_from("=I", raw, 20)[0] == 9  # byte_len
+    assert struct.unpack_from("=I", raw, 28)[0] == 0x11 and raw[44:46] == b"\x02\x03"
+    assert compat.wc_from_fields(compat.IBV_WC.unpack(raw)).wr_id == 1 << 63
+
+
+class FakePollCQ:
+    """A ``struct ibv_context`` whose ``ops.poll_cq`` is a C callback serving the
+    completions queued on the fake pyverbs CQs (what CQPoller calls through ctypes)."""
+
+    def __init__(self) -> None:
+        self.ctx = (ctypes.c_char * compat.CTX_PROBE_SIZE)()
+        self.cqs: dict[int, Any] = {}  # fake struct ibv_cq * -> FakeCQ
+        self.calls: list[tuple[int, int]] = []
+        self._cb = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
+                                    ctypes.c_void_p)(self._poll)
+        ptr = ctypes.cast(self._cb, ctypes.c_void_p).value
+        struct.pack_into("=Q", self.ctx, compat.CTX_OPS_POLL_CQ_OFFSET, ptr)
+
+    @property
+    def ptr(self) -> int:
+        return ctypes.addressof(self.ctx)
+
+    def _poll(self, cq: int, n: int, wc: int) -> int:
+        self.calls.append((cq, n))
+        fcq = self.cqs[cq]
+        if fcq.fail is not None:
+            return -errno.EOVERFLOW
+        k = 0
+        while fcq.wcs and k < n:
+            out = (ctypes.c_char * compat.IBV_WC.size).from_address(wc + k * compat.IBV_WC.size)
+            compat.IBV_WC.pack_into(out, 0, *compat.pwc_fields(fcq.wcs.popleft()), 0, 0, 0, 0)
+            k += 1
+        return k
+
+
+def test_cq_poller_calls_ops_poll_cq() -> None:
+    c = FakePollCQ()
+    fcq = types.SimpleNamespace(wcs=deque(_pwc(wr_id=i) for i in range(5)), fail=None)
+    c.cqs[0x4000] = fcq
+    poller = native.CQPoller(c.ptr, 0x4000, entries=2)
+    n, raws = poller.poll(16)  # capped at the buffer's entries
+    assert n == 2 and [r[0] for r in raws] == [0, 1] and c.calls == [(0x4000, 2)]
+    n, raws = poller.poll(1)
+    assert n == 1 and [compat.wc_from_fields(r).wr_id for r in raws] == [2]
+    fcq.fail = True
+    assert poller.poll(4)[0] < 0
+    fcq.fail = None
+    fcq.wcs.clear()
+    n, raws = poller.poll(4)
+    assert n == 0 and list(raws) == []
+    with pytest.raises(ValueError):  # no ops.poll_cq
+        native.CQPoller(ctypes.addressof((ctypes.c_char * compat.CTX_PROBE_SIZE)()), 0x4000)
 
 
 # ----------------------------------------------------------------------------------------
@@ -996,8 +1075,40 @@ def test_refusals_leave_nothing_posted(fake: Any) -> None:
     assert ei.value.errno == errno.ENOMEM and not qp._queues.sq
 
 
-def test_poll_converts_and_frees_send_slots(fake: Any) -> None:
+@pytest.fixture(params=["pyverbs", "ctypes"])
+def poll_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch,
+              fake: Any) -> FakePollCQ | None:
+    """Both ways IbvCQ polls: pyverbs' CQ.poll, or ops.poll_cq through ctypes (the C
+    structs faked by FakePollCQ)."""
+    if request.param == "pyverbs":
+        return None
+    c = FakePollCQ()
+    created: list[Any] = []
+    real = fake.cq.CQ
+
+    def make_cq(*args: Any) -> Any:
+        fcq = real(*args)
+        created.append(fcq)
+        return fcq
+
+    def find_cq(words: Any, ctx_ptr: int, token: int, read: Any) -> int:
+        assert ctx_ptr == c.ptr
+        (fcq,) = [f for f in created if id(f.cq_context) == token]
+        addr = 0x4000 + 0x100 * len(c.cqs)
+        c.cqs[addr] = fcq
+        return addr
+
+    monkeypatch.setattr(fake.cq, "CQ", make_cq)
+    monkeypatch.setattr(compat, "find_cq_pointer", find_cq)
+    monkeypatch.setattr(provider.IbvContext, "_find_ctx_ptr", lambda self: c.ptr)
+    # the async fd is read from the (fake) context struct: make it the fake's pipe
+    struct.pack_into("=i", c.ctx, compat.CTX_ASYNC_FD_OFFSET, fake.async_pipe[0])
+    return c
+
+
+def test_poll_converts_and_frees_send_slots(fake: Any, poll_path: FakePollCQ | None) -> None:
     ctx, pd, ch, cq, rcq, qp = _qp_setup(fake)
+    assert (cq._poller is None) == (poll_path is None)
     _to_rts(qp)
     qp.post_send([SendWR(1, WROpcode.RDMA_WRITE, [], send_flags=0),
                   SendWR(2, WROpcode.RDMA_WRITE, [], send_flags=0),
@@ -1027,9 +1138,12 @@ def test_poll_converts_and_frees_send_slots(fake: Any) -> None:
     pcq.fail = FakePyverbsError("Failed to poll CQ", errno.EOVERFLOW)
     with pytest.raises(CQOverrunError):
         cq.poll()
+    assert qp.state is QPState.ERR  # its QPs are in error for good
     pcq.fail = None
     with pytest.raises(CQOverrunError):  # forever
         cq.poll()
+    if poll_path is not None:
+        assert poll_path.calls and all(n == 16 for _, n in poll_path.calls[:1])
 
 
 def test_completion_channel_events(fake: Any) -> None:

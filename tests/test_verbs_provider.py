@@ -1041,6 +1041,11 @@ def test_channel_event_only_after_arming(ctx: Context, res: Resources) -> None:
         p.a.post_send([send(i, [sge(ma, 0, 8)], WROpcode.RDMA_WRITE, remote_addr=mb.addr,
                             rkey=mb.rkey)])
 
+    # verbs: the CQ's C struct was found at creation and is polled through ctypes;
+    # the channel event names the same struct
+    probed = getattr(p.cq_a, "_cq_ptr", None)
+    if ctx.provider == "verbs" and os.environ.get("AIORDMA_VERBS_POLL") != "pyverbs":
+        assert probed and getattr(p.cq_a, "_poller", None) is not None
     write(1)
     poll_n(p.cq_a, 1)
     time.sleep(0.05)
@@ -1050,6 +1055,7 @@ def test_channel_event_only_after_arming(ctx: Context, res: Resources) -> None:
     write(2)
     assert readable(ch.fd, WAIT_S)
     assert res.get_event(ch) is p.cq_a
+    assert getattr(p.cq_a, "_cq_ptr", None) == probed
     assert not readable(ch.fd) and res.get_event(ch) is None
     poll_n(p.cq_a, 1)
     write(3)  # one-shot: not re-armed, so no event

@@ -57,6 +57,21 @@ If the channel struct cannot be located, pyverbs' ``get_cq_event(expected_cq)`` 
 on the non-blocking fd, EAGAIN being ``PyverbsRDMAError.error_code``; that call needs the
 CQ in advance, so such a channel serves a single CQ.
 
+Polling completions
+-------------------
+pyverbs builds a ``WC`` object per completion (a logger look-up and a dozen property
+reads), which was most of the cost of a poll. Each CQ's ``struct ibv_cq *`` is found
+the same way as above, in the pyverbs ``CQ`` object: the word whose struct starts with
+our context pointer and holds the CQ's ``cq_context`` (the token the CQ was created
+with); exactly one must qualify. ``native.CQPoller`` then calls ``ctx->ops.poll_cq``
+(what the inline ``ibv_poll_cq`` of verbs.h calls; ``struct ibv_context_ops`` is part
+of the stable ABI) through ctypes, with the GIL held, into a buffer of ``struct
+ibv_wc`` (48 bytes, ``compat.IBV_WC``) unpacked with ``struct``. If the struct is not
+found, or ``AIORDMA_VERBS_POLL=pyverbs``, ``CQ.poll`` of pyverbs is used. Measured in
+the Soft-RoCE guest (one process, 60 interleaved rounds): 41 us per completion instead
+of 77 at batches of 16, 84 instead of 117 at 4, 319 instead of 366 for one (an empty
+poll costs more through ctypes: about 25 us against 5).
+
 Other choices
 -------------
 * Queue-full is refused by the provider's own accounting (``compat.WorkQueues``) before

@@ -28,7 +28,7 @@ import os
 import re
 import socket
 import struct
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from ...errors import DeviceError
@@ -77,6 +77,15 @@ CHANNEL_SIZE = 16
 QP_QP_NUM_OFFSET = 6 * 8 + 4
 #: ``struct ibv_cq``: ``context``, ``channel``, ``void *cq_context``.
 CQ_CQ_CONTEXT_OFFSET = 2 * 8
+CQ_PROBE_SIZE = CQ_CQ_CONTEXT_OFFSET + 8
+#: ``ctx->ops.poll_cq``: the 12th function pointer of ``struct ibv_context_ops`` (after
+#: ``_compat_query_device`` .. ``dealloc_mw`` and ``_compat_create_cq``), which is what
+#: the inline ``ibv_poll_cq`` of verbs.h calls.
+CTX_OPS_POLL_CQ_OFFSET = 8 + 11 * 8
+#: ``struct ibv_wc`` (48 bytes): ``uint64_t wr_id; enum status, opcode; uint32_t
+#: vendor_err, byte_len; __be32 imm_data; uint32_t qp_num, src_qp; unsigned wc_flags;
+#: uint16_t pkey_index, slid; uint8_t sl, dlid_path_bits`` and 2 bytes of padding.
+IBV_WC = struct.Struct("=QIIIIIIIIHHBB2x")
 
 _WORD = struct.Struct("=Q")
 _INT = struct.Struct("=i")
@@ -284,6 +293,17 @@ def plausible_pointer(word: int) -> bool:
     return _PTR_MIN <= word < _PTR_MAX and word % 8 == 0
 
 
+def _readable_pointers(words: Iterable[int], size: int,
+                       read: MemRead) -> Iterator[tuple[int, bytes]]:
+    """``(word, the size bytes at it)`` for each distinct plausible pointer among
+    ``words`` whose memory can be read."""
+    for w in dict.fromkeys(words):
+        if plausible_pointer(w):
+            raw = read(w, size)
+            if raw is not None:
+                yield w, raw
+
+
 def find_context_pointer(words: Iterable[int], cmd_fd: int, read: MemRead,
                          fd_ok: FdCheck) -> int | None:
     """The ``struct ibv_context *`` among ``words`` (the fields of a pyverbs Context).
@@ -293,12 +313,7 @@ def find_context_pointer(words: Iterable[int], cmd_fd: int, read: MemRead,
     a sane ``num_comp_vectors``. Exactly one candidate must qualify.
     """
     found: list[int] = []
-    for w in dict.fromkeys(words):
-        if not plausible_pointer(w):
-            continue
-        raw = read(w, CTX_PROBE_SIZE)
-        if raw is None:
-            continue
+    for w, raw in _readable_pointers(words, CTX_PROBE_SIZE, read):
         cfd = _INT.unpack_from(raw, CTX_CMD_FD_OFFSET)[0]
         afd = _INT.unpack_from(raw, CTX_ASYNC_FD_OFFSET)[0]
         ncv = _INT.unpack_from(raw, CTX_NUM_COMP_VECTORS_OFFSET)[0]
@@ -319,12 +334,7 @@ def find_channel(words: Iterable[int], ctx_ptr: int, read: MemRead, fd_ok: FdChe
     """
     allowed = None if candidates is None else set(candidates)
     found: list[tuple[int, int]] = []
-    for w in dict.fromkeys(words):
-        if not plausible_pointer(w):
-            continue
-        raw = read(w, CHANNEL_SIZE)
-        if raw is None:
-            continue
+    for w, raw in _readable_pointers(words, CHANNEL_SIZE, read):
         owner = _WORD.unpack_from(raw, 0)[0]
         cfd = _INT.unpack_from(raw, CHANNEL_FD_OFFSET)[0]
         if owner != ctx_ptr or cfd < 0:
@@ -335,6 +345,19 @@ def find_channel(words: Iterable[int], ctx_ptr: int, read: MemRead, fd_ok: FdChe
             continue
         if fd_ok(cfd):
             found.append((w, cfd))
+    return found[0] if len(found) == 1 else None
+
+
+def find_cq_pointer(words: Iterable[int], ctx_ptr: int, cq_context: int,
+                    read: MemRead) -> int | None:
+    """The ``struct ibv_cq *`` among ``words`` (the fields of a pyverbs CQ): the struct
+    must start with ``ctx_ptr`` and hold ``cq_context`` (the token the CQ was created
+    with). Exactly one pointer must qualify."""
+    found: list[int] = []
+    for w, raw in _readable_pointers(words, CQ_PROBE_SIZE, read):
+        if (_WORD.unpack_from(raw, 0)[0] == ctx_ptr
+                and _WORD.unpack_from(raw, CQ_CQ_CONTEXT_OFFSET)[0] == cq_context):
+            found.append(w)
     return found[0] if len(found) == 1 else None
 
 
@@ -378,30 +401,41 @@ def to_wc_opcode(value: int, hint: WCOpcode | None = None) -> WCOpcode:
     return WCOpcode.RECV if int(value) & 0x80 else WCOpcode.SEND
 
 
-def convert_wc(pwc: Any, opcode_hint: WCOpcode | None = None) -> WC:
-    """A pyverbs ``WC`` (or anything with its attributes) -> our ``WC``.
+#: A completion's fields in ``struct ibv_wc`` order, as ints: ``(wr_id, status, opcode,
+#: vendor_err, byte_len, imm_data, qp_num, src_qp, wc_flags)`` (``IBV_WC`` unpacks to
+#: these and four more).
+RawWC = tuple[int, ...]
+
+
+def pwc_fields(pwc: Any) -> RawWC:
+    """The ``RawWC`` fields of a pyverbs ``WC`` (or anything with its attributes)."""
+    return (int(pwc.wr_id), int(pwc.status), int(pwc.opcode), int(pwc.vendor_err),
+            int(pwc.byte_len), int(pwc.imm_data), int(pwc.qp_num), int(pwc.src_qp),
+            int(pwc.wc_flags))
+
+
+def wc_from_fields(raw: RawWC, opcode_hint: WCOpcode | None = None) -> WC:
+    """``RawWC`` -> our ``WC`` (extra trailing fields are ignored).
 
     For an error status the hardware opcode is undefined, so ``opcode_hint`` (what the
     provider knows of the work request) wins when given.
     """
-    status = _STATUS.get(int(pwc.status), WCStatus.GENERAL_ERR)  # to_status, inlined
-    flags = int(pwc.wc_flags)
+    status = _STATUS.get(raw[1], WCStatus.GENERAL_ERR)  # to_status, inlined
+    flags = raw[8]
     if status is not WCStatus.SUCCESS and opcode_hint is not None:
         opcode = opcode_hint
     else:
-        op = _OPCODE.get(int(pwc.opcode))
-        opcode = op if op is not None else to_wc_opcode(pwc.opcode, opcode_hint)
-    return WC(
-        int(pwc.wr_id),
-        status,
-        opcode,
-        int(pwc.byte_len),
-        vendor_err=int(pwc.vendor_err),
-        imm_data=imm_from_wire(int(pwc.imm_data)) if flags & WC_FLAG_WITH_IMM else 0,
-        qp_num=int(pwc.qp_num),
-        src_qp=int(pwc.src_qp),
-        wc_flags=flags,
-    )
+        op = _OPCODE.get(raw[2])
+        opcode = op if op is not None else to_wc_opcode(raw[2], opcode_hint)
+    return WC(raw[0], status, opcode, raw[4], vendor_err=raw[3],
+              imm_data=imm_from_wire(raw[5]) if flags & WC_FLAG_WITH_IMM else 0,
+              qp_num=raw[6], src_qp=raw[7], wc_flags=flags)
+
+
+def convert_wc(pwc: Any, opcode_hint: WCOpcode | None = None) -> WC:
+    """A pyverbs ``WC`` (or anything with its attributes) -> our ``WC``
+    (``wc_from_fields`` of ``pwc_fields``)."""
+    return wc_from_fields(pwc_fields(pwc), opcode_hint)
 
 
 # ----------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Event reading through libibverbs itself (ctypes), where pyverbs falls short.
+"""Event reading and CQ polling through libibverbs itself (ctypes), where pyverbs falls
+short (``CQPoller``: see the package docstring, "Polling completions").
 
 * pyverbs' ``Context.get_async_event`` loses the event's element (which QP, CQ or port
   it is about) and reports a failed non-blocking read with error code -1, not EAGAIN.
@@ -8,9 +9,10 @@
 The C API involved is tiny and ABI-stable, so this module calls ``ibv_get_async_event``/
 ``ibv_ack_async_event`` and ``ibv_get_cq_event``/``ibv_ack_cq_events`` of the libibverbs
 that pyverbs already loaded (same process, same structs), with ``use_errno`` so that EAGAIN
-is seen. ctypes releases the GIL around each call; the fds are non-blocking anyway. CQ
-events read here are acknowledged here too, so pyverbs' own per-CQ event counter stays 0
-and its ``CQ.close()`` acknowledges nothing twice.
+is seen. ctypes releases the GIL around each of these calls (not around ``poll_cq``);
+the fds are non-blocking anyway. CQ events read here are acknowledged here too, so
+pyverbs' own per-CQ event counter stays 0 and its ``CQ.close()`` acknowledges nothing
+twice.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import ctypes
 import ctypes.util
 import errno
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 from . import compat
@@ -84,6 +86,46 @@ def qp_num_of(qp_ptr: int) -> int:
 def cq_context_of(cq_ptr: int) -> int:
     """``((struct ibv_cq *)cq_ptr)->cq_context`` (valid while the event is unacknowledged)."""
     return ctypes.c_void_p.from_address(cq_ptr + compat.CQ_CQ_CONTEXT_OFFSET).value or 0
+
+
+#: ``int (*poll_cq)(struct ibv_cq *, int, struct ibv_wc *)``, called with the GIL held
+#: (PYFUNCTYPE): it never blocks, and releasing and re-taking the GIL costs more than
+#: the call.
+_POLL_CQ = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p)
+
+
+class CQPoller:
+    """``ibv_poll_cq`` of one CQ through its context's ``ops.poll_cq`` (ctypes).
+
+    What the inline ``ibv_poll_cq`` of verbs.h does, with the completions written into a
+    buffer owned by this object and unpacked with ``struct``: no pyverbs ``WC`` object
+    (each costs a logger look-up and a dozen property calls) per completion. One thread
+    polls a CQ at a time (the verbs API's threading rule).
+    """
+
+    def __init__(self, ctx_ptr: int, cq_ptr: int, entries: int = 64) -> None:
+        """Raises ValueError when ``ops.poll_cq`` of ``ctx_ptr`` is NULL."""
+        fn = ctypes.c_void_p.from_address(ctx_ptr + compat.CTX_OPS_POLL_CQ_OFFSET).value
+        if not fn:
+            raise ValueError("struct ibv_context has no ops.poll_cq")
+        self._fn = _POLL_CQ(fn)
+        self._cq = ctypes.c_void_p(cq_ptr)
+        self._entries = entries
+        self._buf = ctypes.create_string_buffer(compat.IBV_WC.size * entries)
+        self._view = memoryview(self._buf).cast("B")
+        self._size = compat.IBV_WC.size
+        self._unpack = compat.IBV_WC.iter_unpack
+
+    def poll(self, n: int) -> tuple[int, Iterator[compat.RawWC]]:
+        """Up to ``n`` completions: ``(count, their RawWC tuples)``; a negative count is
+        ibv_poll_cq's error (then nothing is returned). Read the tuples before the next
+        ``poll``: they are unpacked lazily from this object's buffer."""
+        if n > self._entries:
+            n = self._entries
+        rc: int = self._fn(self._cq, n, self._buf)
+        if rc <= 0:
+            return rc, iter(())
+        return rc, self._unpack(self._view[: rc * self._size])
 
 
 class AsyncReader:

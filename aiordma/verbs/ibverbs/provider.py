@@ -10,7 +10,9 @@ from __future__ import annotations
 import ctypes
 import errno
 import logging
+import os
 import select
+from collections.abc import Iterable
 from typing import Any
 
 from ...errors import CQOverrunError, DeviceError, PostError, RDMAError, RegistrationError
@@ -726,7 +728,11 @@ class IbvCQ(CQ):
             raise ctx._error(exc, f"ibv_create_cq({cqe})") from None
         self.cqe = int(getattr(self._cq, "cqe", cqe))  # the device may round up
         self.channel: IbvCompChannel | None = channel
-        self._cq_ptr = 0  # struct ibv_cq *, learnt from its first channel event
+        # struct ibv_cq *: probed now (for polling through ctypes), else learnt from the
+        # first channel event
+        self._cq_ptr = 0
+        self._poller: native.CQPoller | None = None
+        self._locate(ctx)
         self._qps: dict[IbvQP, int] = {}
         self._events_got = 0
         self._events_acked = 0
@@ -736,6 +742,26 @@ class IbvCQ(CQ):
         ctx._children.add(self)
         if channel is not None:
             channel._cqs[id(self._token)] = self
+
+    def _locate(self, ctx: IbvContext) -> None:
+        """Find this CQ's C struct and poll it through ``native.CQPoller`` from now on;
+        pyverbs' ``CQ.poll`` stays the fallback (no context pointer, the probe found
+        nothing, or ``AIORDMA_VERBS_POLL=pyverbs``)."""
+        if not ctx._ctx_ptr or os.environ.get("AIORDMA_VERBS_POLL") == "pyverbs":
+            return
+        try:
+            words = compat.object_words(self._cq)
+        except Exception:  # pragma: no cover - non-CPython
+            return
+        ptr = compat.find_cq_pointer(words, ctx._ctx_ptr, id(self._token), ctx._mem.read)
+        if not ptr:
+            log.debug("aiordma: struct ibv_cq of %r not found; polling through pyverbs", self)
+            return
+        self._cq_ptr = ptr
+        try:
+            self._poller = native.CQPoller(ctx._ctx_ptr, ptr)
+        except ValueError as exc:  # pragma: no cover - a provider without poll_cq
+            log.debug("aiordma: %s; polling through pyverbs", exc)
 
     def _overrun_detected(self) -> None:
         """Completions were lost: the CQ is in error for good, and so is every QP using it
@@ -749,25 +775,36 @@ class IbvCQ(CQ):
             raise CQOverrunError()
         if self._closed:
             return []
-        try:
-            _, pwcs = self._cq.poll(n)
-        except self._pv.Error as exc:
-            self._overrun_detected()
-            raise CQOverrunError(f"completion queue overrun (ibv_poll_cq: {exc})") from None
-        if not pwcs:
-            return []
+        raws: Iterable[compat.RawWC]
+        poller = self._poller
+        if poller is not None:
+            rc, raws = poller.poll(n)
+            if rc <= 0:
+                if rc == 0:
+                    return []
+                self._overrun_detected()
+                raise CQOverrunError(f"completion queue overrun (ibv_poll_cq returned {rc})")
+        else:
+            try:
+                _, pwcs = self._cq.poll(n)
+            except self._pv.Error as exc:
+                self._overrun_detected()
+                raise CQOverrunError(f"completion queue overrun (ibv_poll_cq: {exc})") from None
+            if not pwcs:
+                return []
+            raws = [compat.pwc_fields(p) for p in pwcs]
         qps = self.context._qps
         out: list[WC] = []
-        for p in pwcs:
-            qp = qps.get(p.qp_num)
+        for raw in raws:
+            qp = qps.get(raw[6])
             hint = None
             if qp is not None:
-                ok = int(p.status) == 0
-                hint = qp._queues.completed(int(p.wr_id), ok, int(p.opcode),
-                                            qp.send_cq is self, qp.recv_cq is self)
+                ok = raw[1] == 0
+                hint = qp._queues.completed(raw[0], ok, raw[2], qp.send_cq is self,
+                                            qp.recv_cq is self)
                 if not ok:  # an error completion means the QP is in ERR now
                     qp._state = QPState.ERR
-            out.append(compat.convert_wc(p, hint))
+            out.append(compat.wc_from_fields(raw, hint))
         return out
 
     def req_notify(self, solicited_only: bool = False) -> None:
