@@ -49,7 +49,10 @@ def test_malformed_sends(wr: SendWR, match: str) -> None:
 
 
 def test_receives() -> None:
-    check_recv_wrs([RecvWR(1, [SGE(0, 8, 1)]), RecvWR(2, [])], CAP)
+    # returns whether every WR has exactly one SGE
+    assert check_recv_wrs([RecvWR(1, [SGE(0, 8, 1)]), RecvWR(2, [SGE(8, 8, 1)])], CAP)
+    assert not check_recv_wrs([RecvWR(1, [SGE(0, 8, 1)]), RecvWR(2, [])], CAP)
+    assert check_recv_wrs([], CAP)
     with pytest.raises(InvalidWorkRequest, match="2 SGEs, the QP allows max_recv_sge=1"):
         check_recv_wrs([RecvWR(1, [SGE(0, 8, 1)] * 2)], CAP)
     with pytest.raises(InvalidWorkRequest, match="negative SGE length"):

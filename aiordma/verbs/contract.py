@@ -70,16 +70,23 @@ def check_send_wr(wr: SendWR, cap: QPCap) -> tuple[WROpcode, int]:
     return op, length
 
 
-def check_recv_wrs(wrs: Iterable[RecvWR], cap: QPCap) -> None:
+def check_recv_wrs(wrs: Iterable[RecvWR], cap: QPCap) -> bool:
     """Check receive WRs: SGE count within ``cap.max_recv_sge``, no negative length.
-    Raises InvalidWorkRequest."""
+    Raises InvalidWorkRequest. Returns whether every WR has exactly one SGE (what
+    providers post through a cheaper path)."""
+    limit = cap.max_recv_sge
+    single = True
     for wr in wrs:
-        if len(wr.sg_list) > cap.max_recv_sge:
-            raise InvalidWorkRequest(
-                f"{len(wr.sg_list)} SGEs, the QP allows max_recv_sge={cap.max_recv_sge}")
-        for s in wr.sg_list:
+        sg = wr.sg_list
+        n = len(sg)
+        if n > limit:
+            raise InvalidWorkRequest(f"{n} SGEs, the QP allows max_recv_sge={limit}")
+        if n != 1:
+            single = False
+        for s in sg:
             if s.length < 0:
                 raise InvalidWorkRequest("negative SGE length")
+    return single
 
 
 def check_mr_access(access: Access) -> Access:

@@ -1112,17 +1112,27 @@ class IbvQP(QP):
     def _post_recv_cached(self, wrs: list[RecvWR]) -> None:
         """Post one-SGE receives through their cached pyverbs WRs, one ibv_post_recv
         each (cheaper than building a chain of new objects). Like a chained post that
-        fails at ``bad_wr``, the WRs before a failing one stay posted (and are recorded)."""
+        fails at ``bad_wr``, the WRs before a failing one stay posted (and are recorded).
+        ``_one_recv``'s cache hit is inlined: this runs for every re-posted buffer."""
         post = self._qp.post_recv
-        q = self._queues
-        for wr in wrs:
-            try:
-                post(self._one_recv(wr))
-            except self._pv.Error as exc:
-                raise PostError(compat.errno_of(exc), f"ibv_post_recv: {exc}") from None
-            except OverflowError as exc:
-                raise InvalidWorkRequest(f"a work request field is out of range: {exc}") from None
-            q.posted_recv((wr.wr_id & _M64,))
+        cache = self._recv_wrs
+        posted: list[int] = []
+        try:
+            for wr in wrs:
+                s = wr.sg_list[0]
+                p = cache.get((s.addr, s.length, s.lkey))
+                if p is None:
+                    p = self._one_recv(wr)
+                wr_id = wr.wr_id & _M64
+                p.wr_id = wr_id
+                post(p)
+                posted.append(wr_id)
+        except self._pv.Error as exc:
+            raise PostError(compat.errno_of(exc), f"ibv_post_recv: {exc}") from None
+        except OverflowError as exc:
+            raise InvalidWorkRequest(f"a work request field is out of range: {exc}") from None
+        finally:
+            self._queues.posted_recv(posted)
 
     def post_recv(self, wrs: list[RecvWR]) -> None:
         st = self._state
@@ -1135,8 +1145,7 @@ class IbvQP(QP):
         if n > q.recv_room():
             raise PostError(errno.ENOMEM, f"receive queue full ({len(q.rq)} of {q.max_recv} "
                             f"in use, {n} more posted)")
-        check_recv_wrs(wrs, self.cap)
-        if all(len(wr.sg_list) == 1 for wr in wrs):
+        if check_recv_wrs(wrs, self.cap):
             self._post_recv_cached(wrs)
         else:
             self._post_recv_chain(wrs)
