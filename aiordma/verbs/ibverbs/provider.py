@@ -1092,37 +1092,34 @@ class IbvQP(QP):
                             wr.compare_add & _M64, wr.swap & _M64)
         return p
 
-    def _one_recv(self, wr: RecvWR) -> Any:
-        """The pyverbs RecvWR for a receive with one SGE, re-used like ``_one_send``'s
-        (one per receive buffer: the cache holds as many as the receive queue)."""
-        s = wr.sg_list[0]
-        key = (s.addr, s.length, s.lkey)
-        p = self._recv_wrs.get(key)
-        if p is None:
-            pvwr = self._pv.wr
-            sge = pvwr.SGE(s.addr, s.length, s.lkey)
-            try:
-                p = pvwr.RecvWR(wr_id=0, num_sge=1, sg=[sge])
-            finally:
-                sge.close()
-            self._cache_put(self._recv_wrs, key, p, max(_WR_CACHE, self._queues.max_recv))
-        p.wr_id = wr.wr_id & _M64
+    def _new_recv_wr(self, key: tuple[int, int, int]) -> Any:
+        """A new pyverbs RecvWR for the one-SGE receive ``key`` = (addr, length, lkey),
+        cached for re-use like ``_one_send``'s (one per receive buffer: the cache holds
+        as many as the receive queue); the caller sets its ``wr_id``."""
+        pvwr = self._pv.wr
+        sge = pvwr.SGE(*key)
+        try:
+            p = pvwr.RecvWR(wr_id=0, num_sge=1, sg=[sge])
+        finally:
+            sge.close()
+        self._cache_put(self._recv_wrs, key, p, max(_WR_CACHE, self._queues.max_recv))
         return p
 
     def _post_recv_cached(self, wrs: list[RecvWR]) -> None:
         """Post one-SGE receives through their cached pyverbs WRs, one ibv_post_recv
         each (cheaper than building a chain of new objects). Like a chained post that
         fails at ``bad_wr``, the WRs before a failing one stay posted (and are recorded).
-        ``_one_recv``'s cache hit is inlined: this runs for every re-posted buffer."""
+        This runs for every re-posted buffer: the wr_ids are recorded once per call."""
         post = self._qp.post_recv
         cache = self._recv_wrs
         posted: list[int] = []
         try:
             for wr in wrs:
                 s = wr.sg_list[0]
-                p = cache.get((s.addr, s.length, s.lkey))
+                key = (s.addr, s.length, s.lkey)
+                p = cache.get(key)
                 if p is None:
-                    p = self._one_recv(wr)
+                    p = self._new_recv_wr(key)
                 wr_id = wr.wr_id & _M64
                 p.wr_id = wr_id
                 post(p)
