@@ -259,7 +259,7 @@ class Endpoint:
                           for i in range(sp.count)]
         device.watch_qp(self.qp_num, self._on_async_event, loop)
         self._psn = random.randrange(1 << 24)
-        self._sq = SendQueue(self._send_depth, opts.signal_interval)
+        self._sq = SendQueue(self._send_depth, opts.signal_interval, opts.signal_bytes)
         self._regions = RegionTable()
         self._credits: CreditState | None = None
         self._batching = False  # the peer accepts BATCH frames (handshake flag)
@@ -1105,7 +1105,9 @@ class Endpoint:
             wr = op.wr
             assert wr is not None
             wr.wr_id = reactor.register(self._on_send_wc, None)
-            if self._sq.push(wr.wr_id, op, last_in_batch=i == last):
+            sg = wr.sg_list
+            nbytes = sg[0].length if len(sg) == 1 else sum(s.length for s in sg)
+            if self._sq.push(wr.wr_id, op, last_in_batch=i == last, nbytes=nbytes):
                 wr.send_flags = int(wr.send_flags) | _SIGNALED
             else:
                 wr.send_flags = int(wr.send_flags) & ~_SIGNALED

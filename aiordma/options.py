@@ -19,6 +19,8 @@ class EndpointOptions:
     * ``eager_size``: receive buffer size; larger messages go by rendezvous (RDMA READ).
     * ``max_message_size``: largest message ``send``/``recv`` accept (default 256 MiB).
     * ``signal_interval``: at most this many unsignaled sends in a row.
+    * ``signal_bytes``: at most this many bytes posted unsignaled in a row (a batch of
+      large READs/WRITEs then reports each operation as it finishes, see aiordma.sendq).
     * ``repost_batch``: consumed receive buffers are re-posted this many at a time (one
       post for all; fewer when ``recv_depth`` is small, see protocol.credits rule 6).
     * ``inline_threshold``: frames up to this size are posted inline (device limit too).
@@ -41,6 +43,7 @@ class EndpointOptions:
     eager_size: int = 16 * KiB
     max_message_size: int = 256 * MiB
     signal_interval: int = 16
+    signal_bytes: int = 64 * KiB
     repost_batch: int = 16
     inline_threshold: int = 128
     handshake_timeout: float = 10.0
@@ -73,6 +76,8 @@ class EndpointOptions:
             raise ValueError("max_message_size must be in [eager_size, 2**40]")
         if self.signal_interval < 1:
             raise ValueError("signal_interval must be >= 1")
+        if self.signal_bytes < 1:
+            raise ValueError("signal_bytes must be >= 1")
         if self.repost_batch < 1:
             raise ValueError("repost_batch must be >= 1")
         if self.max_wr_size is not None and self.max_wr_size < 4 * KiB:

@@ -16,6 +16,7 @@ from _pairs import HOST, T, pair
 
 import aiordma
 from aiordma.options import EndpointOptions
+from aiordma.verbs import SendFlags, WROpcode
 
 pytestmark = pytest.mark.usefixtures("soft_cma")  # soft: with and without CMA
 
@@ -315,6 +316,44 @@ async def test_one_sided_write_read_while_target_idles(opts: dict) -> None:
         # slices of registered buffers work; the remote sub-range too
         await asyncio.wait_for(ep.write(memoryview(local)[100:200], desc.slice(1000, 100)), T)
         assert region_buf[1000:1100] == local[100:200]
+
+
+@pytest.mark.parametrize(("signal_bytes", "want"), [(64 * 1024, [True, True, True]),
+                                                   (1 << 20, [False, False, True])])
+async def test_a_batch_of_large_writes_signals_each(opts: dict, signal_bytes: int,
+                                                    want: list[bool],
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Writes posted together as one batch: each of at least ``signal_bytes`` is
+    signaled (its task resumes when it is done, not when the whole batch is), and with
+    a larger ``signal_bytes`` only the batch's last one is (aiordma.sendq)."""
+    size = 64 * 1024
+    async with pair(opts, signal_bytes=signal_bytes) as (ep, q):
+        srv = await server_ep(q)
+        target = bytearray(4 * size)
+        region = srv.register(target, remote_write=True)
+        await srv.send(region.remote().pack())
+        desc = aiordma.RemoteBuffer.unpack(await asyncio.wait_for(ep.recv(), T))
+        local = bytearray(payload(4 * size, 5))
+        ep.register(local)
+        qp = ep._qp
+        post_send = qp.post_send
+        posted: list[list[bool]] = []
+
+        def recording(wrs: list) -> None:
+            """The QP's post_send, recording which WRITEs of each post are signaled."""
+            posted.append([bool(int(w.send_flags) & int(SendFlags.SIGNALED))
+                           for w in wrs if w.opcode == WROpcode.RDMA_WRITE])
+            post_send(wrs)
+
+        monkeypatch.setattr(qp, "post_send", recording)
+        # the first is posted at once, the other three together at the end of this loop
+        # iteration
+        await asyncio.wait_for(asyncio.gather(*(
+            ep.write(memoryview(local)[i * size:(i + 1) * size], desc.slice(i * size, size))
+            for i in range(4))), T)
+        monkeypatch.undo()
+        assert posted == [[True], want]
+        assert target == local
 
 
 async def test_write_with_imm(opts: dict) -> None:

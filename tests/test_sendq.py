@@ -53,3 +53,18 @@ def test_rejects_bad_sizes() -> None:
     with pytest.raises(ValueError):
         SendQueue(4, 0)
     assert SendQueue(4, 16).signal_interval == 4
+
+
+def test_signals_once_signal_bytes_were_posted_unsignaled() -> None:
+    """Large transfers in one batch each report their own completion: a WR is signaled
+    once the bytes since the last signaled one reach ``signal_bytes``."""
+    sq = SendQueue(depth=16, signal_interval=16, signal_bytes=64 * 1024)
+    got = [sq.push(i, "w", last_in_batch=i == 4, nbytes=64 * 1024) for i in range(1, 5)]
+    assert got == [True, True, True, True]
+    got = [sq.push(i, "w", last_in_batch=i == 12, nbytes=16 * 1024) for i in range(5, 13)]
+    assert got == [False, False, False, True, False, False, False, True]  # 64 KiB, end
+    # small frames: the batch end and the interval only; the counter restarts at a signal
+    got = [sq.push(i, "f", last_in_batch=False, nbytes=60 * 1024) for i in (13, 14)]
+    assert got == [False, True]
+    with pytest.raises(ValueError):
+        SendQueue(4, 4, 0)
