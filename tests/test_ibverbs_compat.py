@@ -1014,6 +1014,46 @@ def test_post_send_builds_one_chain(fake: Any) -> None:
     assert len(qp._queues.sq) == 3
 
 
+def test_single_sends_reuse_one_cached_wr_per_sge(fake: Any) -> None:
+    """One-WR, one-SGE posts (every endpoint frame) go through one cached pyverbs WR per
+    SGE, whose fields each post sets for its opcode; the queue records each post."""
+    ctx, pd, ch, cq, rcq, qp = _qp_setup(fake)
+    _to_rts(qp)
+    seen: list[tuple[Any, ...]] = []
+    real_post = qp._qp.post_send
+
+    def snapshot(head: Any) -> None:  # the cached object changes with the next post
+        seen.append((id(head), head.wr_id, head.opcode, head.send_flags, head.imm_data,
+                     head.rdma, head.atomic, head.sg, head.next_wr))
+        real_post(head)
+
+    qp._qp.post_send = snapshot
+    sge = SGE(0x1000, 8, 5)
+    qp.post_send([SendWR(1, WROpcode.SEND_WITH_IMM, [sge], imm_data=0x01020304)])
+    qp.post_send([SendWR(2, WROpcode.RDMA_WRITE, [sge], send_flags=0, rkey=0x77,
+                         remote_addr=0x9000)])
+    qp.post_send([SendWR(3, WROpcode.ATOMIC_FETCH_AND_ADD, [sge], rkey=0x78,
+                         remote_addr=0xA008, compare_add=-1)])
+    qp.post_send([SendWR(4, WROpcode.SEND, [SGE(0x2000, 4, 5)], send_flags=SendFlags.INLINE)])
+    assert list(qp._queues.sq) == [(1, True, WCOpcode.SEND), (2, False, WCOpcode.RDMA_WRITE),
+                                   (3, True, WCOpcode.FETCH_ADD), (4, False, WCOpcode.SEND)]
+    qp._queues.sq.clear()  # (their completions: max_send_wr is 4)
+    qp.post_send([SendWR(5, WROpcode.RDMA_WRITE_WITH_IMM, [sge], rkey=0x79,
+                         remote_addr=0xB000, imm_data=7)])
+    ids = [x[0] for x in seen]
+    assert ids[0] == ids[1] == ids[2] == ids[4] != ids[3]  # one WR per SGE
+    assert seen[0][1:5] == (1, int(WROpcode.SEND_WITH_IMM), 2, socket.htonl(0x01020304))
+    assert seen[1][1:4] == (2, int(WROpcode.RDMA_WRITE), 0) and seen[1][5] == (0x77, 0x9000)
+    assert seen[2][1:3] == (3, int(WROpcode.ATOMIC_FETCH_AND_ADD))
+    assert seen[2][6] == (0x78, 0xA008, 0xFFFFFFFFFFFFFFFF, 0)
+    assert seen[3][1:4] == (4, int(WROpcode.SEND), int(SendFlags.INLINE))
+    assert seen[3][7] == [(0x2000, 4, 5)]
+    assert seen[4][1:5] == (5, int(WROpcode.RDMA_WRITE_WITH_IMM), 2, socket.htonl(7))
+    assert seen[4][5] == (0x79, 0xB000)
+    assert all(x[8] is None for x in seen)  # never chained
+    assert list(qp._queues.sq) == [(5, True, WCOpcode.RDMA_WRITE)]
+
+
 def test_one_sge_receives_are_posted_through_cached_wrs(fake: Any) -> None:
     """A batch of one-SGE receives (the endpoint re-posts its buffers in batches) costs
     no new pyverbs objects once each buffer has its WR: one post per cached WR."""

@@ -571,13 +571,9 @@ def select_gid_index(entries: list[GidEntry], ip: str, *, dev: str = "?", port: 
 # ----------------------------------------------------------------------------------------
 
 
-class _SendEntry:
-    __slots__ = ("wr_id", "signaled", "opcode")
-
-    def __init__(self, wr_id: int, signaled: bool, opcode: WCOpcode) -> None:
-        self.wr_id = wr_id
-        self.signaled = signaled
-        self.opcode = opcode
+#: One posted send WR in ``WorkQueues.sq``: (wr_id, signaled, opcode) -- a plain tuple,
+#: built on every post (no constructor call).
+SendEntry = tuple[int, bool, WCOpcode]
 
 
 class WorkQueues:
@@ -593,7 +589,7 @@ class WorkQueues:
     __slots__ = ("sq", "rq", "max_send", "max_recv")
 
     def __init__(self, max_send: int, max_recv: int) -> None:
-        self.sq: collections.deque[_SendEntry] = collections.deque()
+        self.sq: collections.deque[SendEntry] = collections.deque()
         self.rq: collections.deque[int] = collections.deque()
         self.max_send = max_send
         self.max_recv = max_recv
@@ -604,12 +600,8 @@ class WorkQueues:
     def recv_room(self) -> int:
         return self.max_recv - len(self.rq)
 
-    def posted_send(self, entries: Iterable[tuple[int, bool, WCOpcode]]) -> None:
-        self.sq.extend(_SendEntry(w, s, o) for w, s, o in entries)
-
-    def posted_send_one(self, wr_id: int, signaled: bool, opcode: WCOpcode) -> None:
-        """``posted_send`` of a single WR."""
-        self.sq.append(_SendEntry(wr_id, signaled, opcode))
+    def posted_send(self, entries: Iterable[SendEntry]) -> None:
+        self.sq.extend(entries)
 
     def posted_recv(self, wr_ids: Iterable[int]) -> None:
         self.rq.extend(wr_ids)
@@ -619,8 +611,8 @@ class WorkQueues:
         self.rq.clear()
 
     def _sq_index(self, wr_id: int, signaled_only: bool) -> int | None:
-        for i, e in enumerate(self.sq):
-            if e.wr_id == wr_id and (e.signaled or not signaled_only):
+        for i, (w, signaled, _op) in enumerate(self.sq):
+            if w == wr_id and (signaled or not signaled_only):
                 return i
         return None
 
@@ -654,10 +646,10 @@ class WorkQueues:
             return WCOpcode.RECV
         idx = self._sq_index(wr_id, success)
         if idx is None and success:  # wr_id reused or unknown: the oldest signaled one
-            idx = next((i for i, e in enumerate(self.sq) if e.signaled), None)
+            idx = next((i for i, e in enumerate(self.sq) if e[1]), None)
         if idx is None:
             return None
-        op = self.sq[idx].opcode
+        op = self.sq[idx][2]
         for _ in range(idx + 1):
             self.sq.popleft()
         return op

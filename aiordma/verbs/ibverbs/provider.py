@@ -51,6 +51,7 @@ from ..enums import (
     PortState,
     QPState,
     SendFlags,
+    WCOpcode,
     WROpcode,
 )
 from ..wr import WC, RecvWR, SendWR
@@ -69,6 +70,12 @@ _M32 = 0xFFFFFFFF
 _M64 = 0xFFFFFFFFFFFFFFFF
 _IMM_OPS = frozenset({WROpcode.SEND_WITH_IMM, WROpcode.RDMA_WRITE_WITH_IMM})
 _RDMA_OPS = frozenset({WROpcode.RDMA_WRITE, WROpcode.RDMA_WRITE_WITH_IMM, WROpcode.RDMA_READ})
+# what a single post sets besides wr_id, opcode and flags, per opcode: one look-up
+_K_IMM, _K_RDMA, _K_ATOMIC = 1, 2, 4
+_OP_KIND = {op: ((_K_IMM if op in _IMM_OPS else 0) | (_K_RDMA if op in _RDMA_OPS else 0)
+                 | (_K_ATOMIC if op in _ATOMIC_OPS else 0)) for op in WROpcode}
+_NO_SEND_STATES = frozenset({QPState.RESET, QPState.INIT, QPState.RTR})
+_WC_RECV_BIT = 0x80  # IBV_WC_RECV: every receive opcode has it, no send opcode does
 _QP_EVENTS = frozenset({
     EventType.QP_FATAL, EventType.QP_REQ_ERR, EventType.QP_ACCESS_ERR, EventType.COMM_EST,
     EventType.SQ_DRAINED, EventType.PATH_MIG, EventType.PATH_MIG_ERR,
@@ -799,11 +806,19 @@ class IbvCQ(CQ):
             qp = qps.get(raw[6])
             hint = None
             if qp is not None:
-                ok = raw[1] == 0
-                hint = qp._queues.completed(raw[0], ok, raw[2], qp.send_cq is self,
-                                            qp.recv_cq is self)
-                if not ok:  # an error completion means the QP is in ERR now
-                    qp._state = QPState.ERR
+                if raw[1] == 0 and raw[2] & _WC_RECV_BIT and qp.recv_cq is self:
+                    # a successful receive (WorkQueues.completed, inlined for the most
+                    # frequent completion): its receive slot comes free
+                    rq = qp._queues.rq
+                    if rq:
+                        rq.popleft()
+                    hint = WCOpcode.RECV
+                else:
+                    ok = raw[1] == 0
+                    hint = qp._queues.completed(raw[0], ok, raw[2], qp.send_cq is self,
+                                                qp.recv_cq is self)
+                    if not ok:  # an error completion means the QP is in ERR now
+                        qp._state = QPState.ERR
             out.append(compat.wc_from_fields(raw, hint))
         return out
 
@@ -862,7 +877,7 @@ class IbvQP(QP):
         self.qp_num = int(pqp.qp_num)
         self._state = QPState.RESET
         self._queues = compat.WorkQueues(cap.max_send_wr, cap.max_recv_wr)
-        # (addr, length, lkey) -> pyverbs SendWR / RecvWR, see _one_send
+        # (addr, length, lkey) -> pyverbs SendWR / RecvWR, see _new_send_wr
         self._send_wrs: dict[tuple[int, int, int], Any] = {}
         self._recv_wrs: dict[tuple[int, int, int], Any] = {}
         self._closed = False
@@ -980,24 +995,55 @@ class IbvQP(QP):
         self._to_error()
 
     # --- posting -------------------------------------------------------------------------
-    def _check_send(self, wr: SendWR) -> WROpcode:
-        return check_send_wr(wr, self.cap)[0]
-
     def post_send(self, wrs: list[SendWR]) -> None:
         st = self._state
-        if self._closed or st in (QPState.RESET, QPState.INIT, QPState.RTR):
+        if self._closed or st in _NO_SEND_STATES:
             raise PostError(errno.EINVAL, f"post_send on a QP in {st.name}")
         n = len(wrs)
         if not n:
             return
         q = self._queues
-        if n > q.send_room():
-            raise PostError(errno.ENOMEM, f"send queue full ({len(q.sq)} of {q.max_send} in "
+        sq = q.sq
+        if n > q.max_send - len(sq):
+            raise PostError(errno.ENOMEM, f"send queue full ({len(sq)} of {q.max_send} in "
                             f"use, {n} more posted)")
         if n == 1 and len(wrs[0].sg_list) == 1:
-            self._post_one_send(wrs[0], st)
+            # One WR with one SGE (every frame of an endpoint): through the cached pyverbs
+            # WR of its SGE (_new_send_wr), no chain to build or free; inlined, as this
+            # runs for every message.
+            wr = wrs[0]
+            op = check_send_wr(wr, self.cap)[0]
+            s = wr.sg_list[0]
+            key = (s.addr, s.length, s.lkey)
+            wr_id = wr.wr_id & _M64
+            flags = int(wr.send_flags)
+            try:
+                p = self._send_wrs.get(key)
+                if p is None:
+                    p = self._new_send_wr(key)
+                p.wr_id = wr_id
+                p.opcode = op
+                p.send_flags = flags
+                kind = _OP_KIND[op]
+                if kind:  # (a plain SEND uses none of the fields below)
+                    if kind & _K_IMM:
+                        p.imm_data = compat.imm_to_wire(wr.imm_data)
+                    if kind & _K_RDMA:
+                        p.set_wr_rdma(wr.rkey & _M32, wr.remote_addr & _M64)
+                    elif kind & _K_ATOMIC:
+                        p.set_wr_atomic(wr.rkey & _M32, wr.remote_addr & _M64,
+                                        wr.compare_add & _M64, wr.swap & _M64)
+                self._qp.post_send(p)
+            except self._pv.Error as exc:
+                raise PostError(compat.errno_of(exc), f"ibv_post_send: {exc}") from None
+            except OverflowError as exc:
+                raise InvalidWorkRequest(
+                    f"a work request field is out of range: {exc}") from None
+            sq.append((wr_id, flags & _F_SIGNALED != 0, WC_OPCODE_FOR_WR[op]))
+            if st == QPState.ERR:
+                self._flush_posted()
             return
-        ops = [self._check_send(wr) for wr in wrs]
+        ops = [check_send_wr(wr, self.cap)[0] for wr in wrs]
         pvwr = self._pv.wr
         sges: list[Any] = []
         built: list[Any] = []
@@ -1040,22 +1086,6 @@ class IbvQP(QP):
         if st == QPState.ERR:
             self._flush_posted()
 
-    def _post_one_send(self, wr: SendWR, st: QPState) -> None:
-        """``post_send`` of one WR with one SGE (every frame of an endpoint): its cached
-        pyverbs WR (``_one_send``), no chain to build or free. The caller checked the
-        QP's state and the send queue's room; the rules and errors are post_send's."""
-        op = self._check_send(wr)
-        try:
-            self._qp.post_send(self._one_send(wr, op))
-        except self._pv.Error as exc:
-            raise PostError(compat.errno_of(exc), f"ibv_post_send: {exc}") from None
-        except OverflowError as exc:
-            raise InvalidWorkRequest(f"a work request field is out of range: {exc}") from None
-        self._queues.posted_send_one(wr.wr_id & _M64, bool(int(wr.send_flags) & _F_SIGNALED),
-                                     WC_OPCODE_FOR_WR[op])
-        if st == QPState.ERR:
-            self._flush_posted()
-
     @staticmethod
     def _cache_put(cache: dict[tuple[int, int, int], Any], key: tuple[int, int, int],
                    p: Any, limit: int = _WR_CACHE) -> None:
@@ -1063,38 +1093,28 @@ class IbvQP(QP):
             cache.pop(next(iter(cache))).close()  # the oldest
         cache[key] = p
 
-    def _one_send(self, wr: SendWR, op: WROpcode) -> Any:
-        """The pyverbs SendWR for a single WR with one SGE, re-used: one is built per
-        (addr, length, lkey) and every other field is set on each post. Building one
-        costs two pyverbs objects (each a logger look-up and a malloc) and their
-        ``close``; the device copies a WR when it is posted, so the object is free
-        again as soon as ``post_send`` returns. A cached WR is never chained (its
-        ``next`` stays NULL). Posting happens on one thread (the event loop's)."""
-        s = wr.sg_list[0]
-        key = (s.addr, s.length, s.lkey)
-        p = self._send_wrs.get(key)
-        if p is None:
-            pvwr = self._pv.wr
-            sge = pvwr.SGE(s.addr, s.length, s.lkey)
-            try:
-                p = pvwr.SendWR(wr_id=0, opcode=int(op), num_sge=1, sg=[sge], send_flags=0)
-            finally:
-                sge.close()  # SendWR copied it
-            self._cache_put(self._send_wrs, key, p)
-        p.wr_id = wr.wr_id & _M64
-        p.opcode = int(op)
-        p.send_flags = int(wr.send_flags)
-        p.imm_data = compat.imm_to_wire(wr.imm_data) if op in _IMM_OPS else 0
-        if op in _RDMA_OPS:
-            p.set_wr_rdma(wr.rkey & _M32, wr.remote_addr & _M64)
-        elif op in _ATOMIC_OPS:
-            p.set_wr_atomic(wr.rkey & _M32, wr.remote_addr & _M64,
-                            wr.compare_add & _M64, wr.swap & _M64)
+    def _new_send_wr(self, key: tuple[int, int, int]) -> Any:
+        """A new pyverbs SendWR for single-WR posts with the one SGE ``key`` = (addr,
+        length, lkey), cached for re-use: building one costs two pyverbs objects (each a
+        logger look-up and a malloc) and their ``close``; the device copies a WR when it
+        is posted, so the object is free again as soon as ``post_send`` returns. The
+        caller sets ``wr_id``, ``opcode``, ``send_flags`` and what its opcode uses (a
+        cached WR keeps the values of its last post: a plain SEND reads none of the
+        others). A cached WR is never chained (its ``next`` stays NULL). Posting happens
+        on one thread (the event loop's)."""
+        pvwr = self._pv.wr
+        sge = pvwr.SGE(*key)
+        try:
+            p = pvwr.SendWR(wr_id=0, opcode=int(WROpcode.SEND), num_sge=1, sg=[sge],
+                            send_flags=0)
+        finally:
+            sge.close()  # SendWR copied it
+        self._cache_put(self._send_wrs, key, p)
         return p
 
     def _new_recv_wr(self, key: tuple[int, int, int]) -> Any:
         """A new pyverbs RecvWR for the one-SGE receive ``key`` = (addr, length, lkey),
-        cached for re-use like ``_one_send``'s (one per receive buffer: the cache holds
+        cached for re-use like ``_new_send_wr``'s (one per receive buffer: the cache holds
         as many as the receive queue); the caller sets its ``wr_id``."""
         pvwr = self._pv.wr
         sge = pvwr.SGE(*key)
