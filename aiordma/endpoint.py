@@ -1086,12 +1086,10 @@ class Endpoint:
 
     def _post_batch(self, batch: list[_Op]) -> None:
         """Post ``batch`` in one call. Signaled: the last op somebody waits for (every
-        op before it completes with it), plus what ``SendQueue.push`` asks for: the last
-        op of each quarter of those up to it is a checkpoint (large transfers report
-        in quarters, aiordma.sendq). Frames nobody waits for (RNDV, whose sender waits
-        for RNDV_DONE; CREDIT; RNDV_DONE) go unsignaled after it, until our CLOSE: a
-        later signaled WR (CLOSE at the latest, which close() waits for) retires them,
-        and a failed one completes anyway."""
+        op before it completes with it), plus what ``SendQueue.push`` asks for. Frames
+        nobody waits for (RNDV, whose sender waits for RNDV_DONE; CREDIT; RNDV_DONE) go
+        unsignaled after it, until our CLOSE: a later signaled WR (CLOSE at the latest,
+        which close() waits for) retires them, and a failed one completes anyway."""
         reactor = self._reactor
         wrs: list[SendWR] = []
         last = len(batch) - 1
@@ -1103,15 +1101,13 @@ class Endpoint:
                     last -= 1
                 else:
                     break
-        quarter = (last + 4) // 4 or 1  # ops per quarter of the last + 1 up to it
         for i, op in enumerate(batch):
             wr = op.wr
             assert wr is not None
             wr.wr_id = reactor.register(self._on_send_wc, None)
             sg = wr.sg_list
             nbytes = sg[0].length if len(sg) == 1 else sum(s.length for s in sg)
-            if self._sq.push(wr.wr_id, op, last_in_batch=i == last, nbytes=nbytes,
-                             checkpoint=(i + 1) % quarter == 0):
+            if self._sq.push(wr.wr_id, op, last_in_batch=i == last, nbytes=nbytes):
                 wr.send_flags = int(wr.send_flags) | _SIGNALED
             else:
                 wr.send_flags = int(wr.send_flags) & ~_SIGNALED

@@ -19,9 +19,8 @@ class EndpointOptions:
     * ``eager_size``: receive buffer size; larger messages go by rendezvous (RDMA READ).
     * ``max_message_size``: largest message ``send``/``recv`` accept (default 256 MiB).
     * ``signal_interval``: at most this many unsignaled sends in a row.
-    * ``signal_bytes``: a batch of operations that moves at least this many bytes per
-      quarter reports each quarter as it finishes instead of all at its end (see
-      aiordma.sendq).
+    * ``signal_bytes``: at most this many bytes posted unsignaled in a row (a batch of
+      large READs/WRITEs then reports each operation as it finishes, see aiordma.sendq).
     * ``repost_batch``: consumed receive buffers are re-posted this many at a time (one
       post for all; fewer when ``recv_depth`` is small, see protocol.credits rule 6).
     * ``inline_threshold``: frames up to this size are posted inline (device limit too).

@@ -66,10 +66,5 @@ def test_signals_once_signal_bytes_were_posted_unsignaled() -> None:
     # small frames: the batch end and the interval only; the counter restarts at a signal
     got = [sq.push(i, "f", last_in_batch=False, nbytes=60 * 1024) for i in (13, 14)]
     assert got == [False, True]
-    # only a checkpoint WR is signaled for its bytes (the endpoint marks quarters)
-    sq = SendQueue(depth=16, signal_interval=16, signal_bytes=64 * 1024)
-    got = [sq.push(i, "w", last_in_batch=False, nbytes=64 * 1024, checkpoint=i % 3 == 0)
-           for i in range(1, 7)]
-    assert got == [False, False, True, False, False, True]
     with pytest.raises(ValueError):
         SendQueue(4, 4, 0)
