@@ -70,12 +70,26 @@ _M32 = 0xFFFFFFFF
 _M64 = 0xFFFFFFFFFFFFFFFF
 _IMM_OPS = frozenset({WROpcode.SEND_WITH_IMM, WROpcode.RDMA_WRITE_WITH_IMM})
 _RDMA_OPS = frozenset({WROpcode.RDMA_WRITE, WROpcode.RDMA_WRITE_WITH_IMM, WROpcode.RDMA_READ})
-# what a single post sets besides wr_id, opcode and flags, per opcode: one look-up
+# what a post sets besides wr_id, opcode, flags and SGEs, per opcode: one look-up
 _K_IMM, _K_RDMA, _K_ATOMIC = 1, 2, 4
 _OP_KIND = {op: ((_K_IMM if op in _IMM_OPS else 0) | (_K_RDMA if op in _RDMA_OPS else 0)
                  | (_K_ATOMIC if op in _ATOMIC_OPS else 0)) for op in WROpcode}
 _NO_SEND_STATES = frozenset({QPState.RESET, QPState.INIT, QPState.RTR})
 _WC_RECV_BIT = 0x80  # IBV_WC_RECV: every receive opcode has it, no send opcode does
+
+
+def _set_op_fields(p: Any, wr: SendWR, kind: int) -> None:
+    """Set on the pyverbs SendWR ``p`` the fields that ``wr``'s opcode reads besides
+    wr_id, opcode, flags and SGEs (``kind`` = ``_OP_KIND[opcode]``): immediate data,
+    the RDMA or the atomic part. Single posts and chains both build WRs through it."""
+    if kind & _K_IMM:
+        p.imm_data = compat.imm_to_wire(wr.imm_data)
+    if kind & _K_RDMA:
+        p.set_wr_rdma(wr.rkey & _M32, wr.remote_addr & _M64)
+    elif kind & _K_ATOMIC:
+        p.set_wr_atomic(wr.rkey & _M32, wr.remote_addr & _M64,
+                        wr.compare_add & _M64, wr.swap & _M64)
+
 _QP_EVENTS = frozenset({
     EventType.QP_FATAL, EventType.QP_REQ_ERR, EventType.QP_ACCESS_ERR, EventType.COMM_EST,
     EventType.SQ_DRAINED, EventType.PATH_MIG, EventType.PATH_MIG_ERR,
@@ -1025,14 +1039,8 @@ class IbvQP(QP):
                 p.opcode = op
                 p.send_flags = flags
                 kind = _OP_KIND[op]
-                if kind:  # (a plain SEND uses none of the fields below)
-                    if kind & _K_IMM:
-                        p.imm_data = compat.imm_to_wire(wr.imm_data)
-                    if kind & _K_RDMA:
-                        p.set_wr_rdma(wr.rkey & _M32, wr.remote_addr & _M64)
-                    elif kind & _K_ATOMIC:
-                        p.set_wr_atomic(wr.rkey & _M32, wr.remote_addr & _M64,
-                                        wr.compare_add & _M64, wr.swap & _M64)
+                if kind:  # (a plain SEND uses none of the other fields: no call)
+                    _set_op_fields(p, wr, kind)
                 self._qp.post_send(p)
             except self._pv.Error as exc:
                 raise PostError(compat.errno_of(exc), f"ibv_post_send: {exc}") from None
@@ -1057,7 +1065,6 @@ class IbvQP(QP):
                 kw: dict[str, Any] = {
                     "wr_id": wr.wr_id & _M64, "opcode": int(op), "num_sge": len(sg), "sg": sg,
                     "send_flags": int(wr.send_flags),
-                    "imm_data": compat.imm_to_wire(wr.imm_data) if op in _IMM_OPS else 0,
                 }
                 if head is not None:
                     kw["next_wr"] = head
@@ -1065,11 +1072,9 @@ class IbvQP(QP):
                 built.append(p)
                 if not wr.sg_list:
                     p.num_sge = 0
-                if op in _RDMA_OPS:
-                    p.set_wr_rdma(wr.rkey & _M32, wr.remote_addr & _M64)
-                elif op in _ATOMIC_OPS:
-                    p.set_wr_atomic(wr.rkey & _M32, wr.remote_addr & _M64,
-                                    wr.compare_add & _M64, wr.swap & _M64)
+                kind = _OP_KIND[op]
+                if kind:
+                    _set_op_fields(p, wr, kind)
                 head = p
             self._qp.post_send(head)
         except self._pv.Error as exc:
