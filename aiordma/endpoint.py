@@ -29,7 +29,7 @@ import asyncio
 import collections
 import itertools
 import logging
-import random
+import secrets
 import struct
 from collections.abc import Callable
 from typing import Any, Final
@@ -258,7 +258,7 @@ class Endpoint:
         self._send_wrs = [SendWR(0, _SEND, [SGE(sp.addr(i), 0, sp.lkey)], 0)
                           for i in range(sp.count)]
         device.watch_qp(self.qp_num, self._on_async_event, loop)
-        self._psn = random.randrange(1 << 24)
+        self._psn = secrets.randbelow(1 << 24)  # unpredictable, as a NIC's initial PSN
         self._sq = SendQueue(self._send_depth, opts.signal_interval, opts.signal_bytes)
         self._regions = RegionTable()
         self._credits: CreditState | None = None

@@ -169,7 +169,7 @@ class RegionTable:
         if isinstance(obj, MemoryRegion):
             if obj.closed:
                 raise ValueError("memory region is closed")
-            if self._regions and not any(r is obj for r in self._regions):
+            if obj._table is not self:
                 raise ValueError("memory region belongs to another endpoint")
             return LocalSpan(obj.addr, obj.length, obj.lkey, obj)
         try:
