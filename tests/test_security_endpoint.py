@@ -8,8 +8,6 @@ import asyncio
 import pytest
 from _pairs import T, pair
 
-import aiordma
-
 
 @pytest.fixture
 def opts(provider_name: str) -> dict:

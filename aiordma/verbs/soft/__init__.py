@@ -11,6 +11,7 @@ Modules (one reason to change each):
 * ``cma``       -- same-host cross-memory attach (process_vm_readv/writev) for READ/WRITE
 * ``notify``    -- pipe-backed readable flag (channel fds, async fd)
 * ``cq``        -- CQ and completion channel (manual progress: the loop moves the bytes)
+* ``keys``      -- memory keys (a secret permutation per PD), random QP numbers
 * ``mr``        -- PD, MR and the lkey/rkey table
 * ``qpcore``    -- QP state shared by both halves: WQEs, completions, error flush
 * ``requester`` -- transmit, responses, RNR go-back-N, ACK timeout

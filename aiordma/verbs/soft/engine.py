@@ -21,7 +21,6 @@ import heapq
 import itertools
 import logging
 import os
-import random
 import selectors
 import socket
 import threading
@@ -33,6 +32,7 @@ from typing import TYPE_CHECKING
 from ..enums import QPState
 from . import addr, wire
 from .conn import CONNECTING, OPEN, Conn
+from .keys import random_qpn
 from .mr import KeyTable
 
 if TYPE_CHECKING:
@@ -119,7 +119,6 @@ class Engine:
         self.qps: dict[int, SoftQP] = {}
         self.conns: set[Conn] = set()
         self._held: dict[int, list[Conn]] = {}
-        self._next_qpn = random.randrange(0x100, 0x8000)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         ls = socket.socket(family, socket.SOCK_STREAM)
         try:
@@ -230,11 +229,8 @@ class Engine:
         self._sel_drop(ch.progress_fd)
 
     def alloc_qpn(self) -> int:
-        while True:
-            qpn = self._next_qpn
-            self._next_qpn = (self._next_qpn + 1) & 0xFFFFFF or 0x100
-            if qpn not in self.qps:
-                return qpn
+        """A random QP number not in use (lock held; keys.random_qpn)."""
+        return random_qpn(self.qps)
 
     # --- selector (NIC thread) ---------------------------------------------------------
     def selector_set(self, conn: Conn, old: int, new: int) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import errno
-import random
 from typing import TYPE_CHECKING, Any
 
 from ...errors import RDMAError, RegistrationError
@@ -11,6 +10,7 @@ from ..api import CQ, MR, PD, QPCap
 from ..buffers import PinnedBuffer
 from ..contract import check_mr_access
 from ..enums import Access
+from .keys import KeyStream
 
 if TYPE_CHECKING:
     from .context import SoftContext
@@ -18,31 +18,22 @@ if TYPE_CHECKING:
 
 
 class KeyTable:
-    """lkey/rkey allocation: 24-bit index << 8 | 8-bit key that changes on each reuse."""
+    """The device's live lkeys/rkeys (one key serves as both), each drawn from its
+    PD's ``KeyStream`` (keys.py: unpredictable, never repeated within the PD)."""
 
     def __init__(self) -> None:
         self._by_key: dict[int, SoftMR] = {}
-        self._free: list[int] = []
-        self._next_index = 1
-        self._last_byte: dict[int, int] = {}
 
     def add(self, mr: SoftMR) -> int:
-        if self._free:
-            index = self._free.pop()
-        else:
-            index = self._next_index
-            self._next_index += 1
-            if index >= 1 << 24:
-                raise RegistrationError(errno.ENOMEM, "out of memory keys")
-        byte = (self._last_byte.get(index, random.randrange(256)) + 1) & 0xFF
-        self._last_byte[index] = byte
-        key = (index << 8) | byte
-        self._by_key[key] = mr
-        return key
+        stream = mr.pd._keys
+        while True:
+            key = stream.next()
+            if key and key not in self._by_key:  # 0 is no key; another PD's live one
+                self._by_key[key] = mr
+                return key
 
     def remove(self, key: int) -> None:
-        if self._by_key.pop(key, None) is not None:
-            self._free.append(key >> 8)
+        self._by_key.pop(key, None)
 
     def get(self, key: int) -> SoftMR | None:
         return self._by_key.get(key)
@@ -87,6 +78,7 @@ class SoftPD(PD):
         self.context = ctx
         self._mrs: set[SoftMR] = set()
         self._qps: set[SoftQP] = set()
+        self._keys = KeyStream()
         self._closed = False
 
     def reg_mr(self, buffer: Any, access: Access = Access.LOCAL_WRITE) -> SoftMR:
