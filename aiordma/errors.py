@@ -132,6 +132,40 @@ class HandshakeError(RDMAError):
         super().__init__(errno.EPROTO, msg)
 
 
+class HandshakeTimeout(HandshakeError, TimeoutError):
+    """A step of connection setup took longer than its timeout; the message says which
+    step (what was waited for) and how long."""
+
+
+class AuthenticationError(HandshakeError):
+    """The peer failed the shared-secret authentication of connection setup (wrong or
+    missing ``secret=``), or a peer that must authenticate did not."""
+
+
+class ResourceLimitError(RDMAError):
+    """A per-process or system limit refused a resource: ``errno`` is EMFILE (the
+    process's ``RLIMIT_NOFILE``, named in the message) or ENFILE (the system's file
+    table), or ENOMEM. Nothing half-made is left behind."""
+
+
+def fd_limit_error(exc: OSError, what: str) -> ResourceLimitError | None:
+    """The ``ResourceLimitError`` for ``exc`` when it is EMFILE/ENFILE (else None):
+    ``what`` says what could not be opened; the message names the limit."""
+    if exc.errno == errno.EMFILE:
+        import resource
+
+        soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        err = ResourceLimitError(errno.EMFILE, f"{what}: too many open files (this process's "
+                                 f"RLIMIT_NOFILE is {soft}; raise it with `ulimit -n`)")
+    elif exc.errno == errno.ENFILE:
+        err = ResourceLimitError(errno.ENFILE, f"{what}: the system's file table is full "
+                                 "(fs.file-max)")
+    else:
+        return None
+    err.__cause__ = exc
+    return err
+
+
 class MessageTooLarge(RDMAError, ValueError):
     """A message exceeds ``max_message_size``, or ``recv_into``'s buffer is too small
     (the message is kept for the next receive). ``.size`` is the message length."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import secrets
+from collections.abc import Container
 from typing import Final
 
 from ...errors import RegistrationError
@@ -57,7 +58,7 @@ def permute(secret: bytes, x: int) -> int:
     return (left << 16) | right
 
 
-def random_qpn(in_use: dict[int, object]) -> int:
+def random_qpn(in_use: Container[int]) -> int:
     """A random QP number (24 bits, not 0 or 1, which IB reserves) not in ``in_use``."""
     while True:
         qpn = secrets.randbelow(0xFFFFFE) + 2
