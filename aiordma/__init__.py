@@ -11,6 +11,7 @@ from typing import Any
 
 from .device import Device, open_device
 from .errors import (
+    AuthenticationError,
     CompletionError,
     ConnectionClosed,
     ConnectionRefused,
@@ -18,6 +19,7 @@ from .errors import (
     DeviceError,
     FlushedError,
     HandshakeError,
+    HandshakeTimeout,
     LocalLengthError,
     LocalProtectionError,
     MessageTooLarge,
@@ -27,6 +29,7 @@ from .errors import (
     RemoteAccessError,
     RemoteInvalidRequestError,
     RemoteOperationError,
+    ResourceLimitError,
     RetryExceededError,
     RNRRetryExceededError,
 )
@@ -66,6 +69,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "AuthenticationError", "HandshakeTimeout", "ResourceLimitError",
     "CompletionError", "ConnectionClosed", "ConnectionRefused", "CQOverrunError", "Device",
     "DeviceError", "DeviceInfo", "Endpoint", "FlushedError", "HandshakeError", "Listener",
     "LocalLengthError", "LocalProtectionError", "MemoryRegion", "MessageTooLarge", "PortInfo",

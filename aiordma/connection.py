@@ -1,45 +1,68 @@
 """Connection setup: the out-of-band TCP handshake that makes two ``Endpoint``s.
 
 Client                                   Server
-  TCP connect ---------------------------> accept
-  create PD/CQ/QP (INIT), post receives
-  HELLO(qpn, psn, gid, lid, mtu, credits, eager, max msg, provider) -->
-                                           validate; create QP (INIT), post receives,
-                                           RTR+RTS towards the client
-  <------------------------------------------ ACCEPT(its parameters) | REJECT(reason)
-  RTR+RTS towards the server
+  TCP connect (TLS with ``ssl=``) ----------> accept
+  PREAMBLE ------------------------------->  <-- GREETING(nonce Ns, needs secret?)
+  create PD/CQ/QP (INIT) with the connection key, post receives
+  HELLO(qpn, psn, gid, lid, mtu, credits, eager, max msg, provider, Nc, MAC) -->
+                                           check the MAC (shared secret); create QP
+                                           (INIT, same key), post receives, RTR+RTS
+  <------------------------------------------ ACCEPT(its parameters, MAC) | REJECT
+  check the listener's MAC; RTR+RTS towards the server
   READY --------------------------------->  handler(ep) starts
 The TCP connection stays open for the endpoint's life: its EOF tells each side that
 the peer is gone (process killed, aborted) even when no work request is outstanding.
 
-Every step has a timeout (``handshake_timeout``). Garbage, truncated frames, a wrong
-version, out-of-range fields or silence raise ``HandshakeError`` on the side that saw
-them; the listener logs it, answers REJECT where it can, and keeps serving.
+The connection key (``protocol.auth``) is fresh per connection: a ``soft`` device
+admits a connection to the endpoint's QP only from a device that proves it, and
+connects only to the address the peer's setup connection comes from. With a shared
+``secret`` both sides prove it (mutual challenge-response) before any endpoint is
+made for the peer. Every step has a timeout (``handshake_timeout``): its expiry is a
+``HandshakeTimeout`` (a ``TimeoutError``) naming what was waited for. Garbage,
+truncated frames, a wrong version or out-of-range fields raise ``HandshakeError`` on
+the side that saw them; a server that is not an aiordma listener is named as such as
+soon as it answers the preamble (line-based servers answer it at once). The listener
+logs failures, answers REJECT where it can (with a code: refused, authentication,
+resource limit, busy), and keeps serving; at most ``max_handshakes`` are in progress.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import errno
 import logging
 import socket
+import ssl as _ssl
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from .device import Device
 from .endpoint import Endpoint
-from .errors import ConnectionRefused, HandshakeError, RDMAError
+from .errors import (
+    AuthenticationError,
+    ConnectionRefused,
+    HandshakeError,
+    HandshakeTimeout,
+    RDMAError,
+    ResourceLimitError,
+    fd_limit_error,
+)
 from .options import EndpointOptions
+from .protocol import auth
 from .protocol.handshake import (
+    FLAG_SECRET,
+    MAGIC,
+    PREAMBLE,
     Accept,
+    Greeting,
     HandshakeDecoder,
     Hello,
     Message,
-    Ready,
     Reject,
-    encode_accept,
+    RejectCode,
     encode_hello,
     encode_ready,
-    encode_reject,
 )
 
 log = logging.getLogger("aiordma")
@@ -71,7 +94,8 @@ def _keepalive(writer: asyncio.StreamWriter) -> None:
 
 async def _read_message(reader: asyncio.StreamReader, decoder: HandshakeDecoder, timeout: float,
                         what: str) -> Message:
-    """The next handshake message. Raises HandshakeError on garbage, EOF or timeout."""
+    """The next handshake message. Raises HandshakeError on garbage or EOF,
+    HandshakeTimeout when ``timeout`` passes first."""
     async def read() -> Message:
         while True:
             data = await reader.read(4096)
@@ -87,45 +111,127 @@ async def _read_message(reader: asyncio.StreamReader, decoder: HandshakeDecoder,
     try:
         return await asyncio.wait_for(read(), timeout)
     except TimeoutError:
-        raise HandshakeError(f"timed out after {timeout:g}s waiting for {what}") from None
+        raise HandshakeTimeout(f"timed out after {timeout:g}s waiting for {what}") from None
     except (ConnectionError, OSError) as exc:
         if isinstance(exc, RDMAError):
             raise
         raise HandshakeError(f"connection lost while waiting for {what}: {exc}") from exc
 
 
-async def connect(host: str, port: int, *, timeout: float = 10.0, **opts: Any) -> Endpoint:
-    """Connect to an ``aiordma.listen`` listener; returns a ready ``Endpoint``.
+def _limit(exc: BaseException, what: str) -> BaseException:
+    """``exc`` as a ResourceLimitError when it is running out of descriptors."""
+    if isinstance(exc, OSError) and not isinstance(exc, RDMAError):
+        lim = fd_limit_error(exc, what)
+        if lim is not None:
+            return lim
+    return exc
 
-    ``timeout`` bounds the whole setup. Raises ConnectionRefused (nothing listening, or
-    the server rejected us), HandshakeError (bad or silent peer), TimeoutError (the
-    TCP connect took longer than ``timeout``), TypeError/ValueError for bad options.
+
+def _rejected(where: str, rej: Reject) -> RDMAError:
+    """The typed error for a listener's REJECT."""
+    msg = f"connection to {where} rejected: {rej.reason}"
+    if rej.code == RejectCode.AUTH:
+        return AuthenticationError(msg)
+    if rej.code == RejectCode.LIMIT:
+        return ResourceLimitError(rej.errno or errno.ENOMEM, msg)
+    return ConnectionRefused(msg)
+
+
+async def _greeting(reader: asyncio.StreamReader, decoder: HandshakeDecoder, timeout: float,
+                    where: str) -> Greeting:
+    """The listener's GREETING, or the error that names what answered instead."""
+    try:
+        msg = await _read_message(reader, decoder, timeout, "the listener's GREETING")
+    except HandshakeTimeout:
+        raise HandshakeTimeout(f"no aiordma GREETING from {where} within {timeout:g}s: is "
+                               "it an aiordma listener?") from None
+    except HandshakeError as exc:
+        got = decoder.first_bytes
+        if got and not got.startswith(MAGIC[: len(got)]) and not MAGIC.startswith(got[:4]):
+            raise HandshakeError(f"{where} is not an aiordma listener: it answered "
+                                 f"{got[:48]!r}") from None
+        if not got and "closed" in str(exc):
+            raise HandshakeError(f"{where} closed the connection before its GREETING: not an "
+                                 "aiordma listener, or one out of resources") from None
+        raise
+    if isinstance(msg, Reject):
+        raise _rejected(where, msg)
+    if not isinstance(msg, Greeting):
+        raise HandshakeError(f"expected GREETING from {where}, got {type(msg).__name__}")
+    return msg
+
+
+async def connect(host: str, port: int, *, timeout: float = 10.0, **opts: Any) -> Endpoint:
+    """Connect to an aiordma listener (``aiordma.listen`` or ``create_server``); returns
+    a ready ``Endpoint``.
+
+    ``timeout`` bounds the whole setup, ``handshake_timeout`` each step. Raises
+    ConnectionRefused (nothing listening, or the listener refused us),
+    AuthenticationError (the shared secret is wrong or missing on either side),
+    ResourceLimitError (out of descriptors, here or at the listener: the message
+    names the limit), HandshakeError (a bad peer, or not an aiordma listener),
+    TimeoutError (the TCP connect, or ``HandshakeTimeout`` for a step, took too long),
+    TypeError/ValueError for bad options. Nothing is left behind on failure.
     """
     o = EndpointOptions.from_kwargs(opts)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
+    where = f"{host}:{port}"
     try:
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+        tls: dict[str, Any] = {}
+        if o.ssl is not None:
+            tls = {"ssl": o.ssl, "server_hostname": o.server_hostname or host,
+                   "ssl_handshake_timeout": min(timeout, o.handshake_timeout)}
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port, **tls),
+                                                timeout)
     except ConnectionRefusedError as exc:
-        raise ConnectionRefused(f"connection to {host}:{port} refused") from exc
+        raise ConnectionRefused(f"connection to {where} refused") from exc
     except TimeoutError:
-        raise TimeoutError(f"connecting to {host}:{port} timed out after {timeout:g}s") from None
+        raise TimeoutError(f"connecting to {where} timed out after {timeout:g}s") from None
+    except _ssl.SSLError as exc:
+        raise HandshakeError(f"TLS with {where} failed: {exc}") from exc
+    except OSError as exc:
+        raise _limit(exc, f"connecting to {where}") from None
     ep: Endpoint | None = None
+
+    def step() -> float:
+        return max(0.001, min(o.handshake_timeout, deadline - loop.time()))
+
     try:
         _keepalive(writer)
-        device = _device_for(o)
-        ep = Endpoint(device, o, loop)
-        local_ip = writer.get_extra_info("sockname")[0]
-        writer.write(encode_hello(ep.local_hello(local_ip)))
+        writer.write(PREAMBLE)
         decoder = HandshakeDecoder()
-        remaining = max(0.001, min(o.handshake_timeout, deadline - loop.time()))
-        msg = await _read_message(reader, decoder, remaining, "the server's ACCEPT")
+        greeting = await _greeting(reader, decoder, step(), where)
+        secret = o.secret
+        if greeting.flags & FLAG_SECRET and secret is None:
+            raise AuthenticationError(f"{where} requires a shared secret (the secret= option)")
+        if secret is not None and not greeting.flags & FLAG_SECRET:
+            raise AuthenticationError(f"{where} has no shared secret, so it cannot prove "
+                                      "one: refused (secret= was given)")
+        nonce = auth.new_nonce()
+        try:
+            device = _device_for(o)
+            ep = Endpoint(device, o, loop,
+                          auth_key=auth.connection_key(secret, greeting.nonce, nonce))
+        except OSError as exc:
+            raise _limit(exc, "making an endpoint") from None
+        hello = dataclasses.replace(ep.local_hello(writer.get_extra_info("sockname")[0]),
+                                    nonce=nonce)
+        hello = dataclasses.replace(hello, mac=auth.client_mac(secret, greeting.nonce, hello))
+        writer.write(encode_hello(hello))
+        msg = await _read_message(reader, decoder, step(), "the listener's ACCEPT")
         if isinstance(msg, Reject):
-            raise ConnectionRefused(f"connection to {host}:{port} rejected: {msg.reason}")
+            raise _rejected(where, msg)
         if not isinstance(msg, Accept):
             raise HandshakeError(f"expected ACCEPT, got {type(msg).__name__}")
-        _check_peer(ep, msg.params)
-        ep.establish(msg.params)
+        if secret is not None and not auth.same(
+                msg.params.mac, auth.server_mac(secret, hello.mac, msg.params)):
+            raise AuthenticationError(f"{where} did not prove the shared secret")
+        _check_peer(device, ep, msg.params, writer)
+        try:
+            ep.establish(msg.params)
+        except OSError as exc:
+            raise _limit(exc, "connecting the endpoint") from None
         writer.write(encode_ready())
         await writer.drain()
         ep.start(reader, writer)
@@ -135,10 +241,17 @@ async def connect(host: str, port: int, *, timeout: float = 10.0, **opts: Any) -
         raise
 
 
-def _check_peer(ep: Endpoint, peer: Hello) -> None:
+def _check_peer(device: Device, ep: Endpoint, peer: Hello, writer: asyncio.StreamWriter) -> None:
+    """Refuse a peer of another provider, or (soft) one whose device address is not
+    where its setup connection comes from. Raises HandshakeError."""
     if peer.provider != ep.provider:
         raise HandshakeError(f"provider mismatch: peer uses {peer.provider!r}, we use "
                              f"{ep.provider!r}")
+    peername = writer.get_extra_info("peername")
+    if peername:
+        problem = device.ctx.peer_address_problem(peer.gid, peer.lid, peername[0])
+        if problem is not None:
+            raise HandshakeError(f"refused: {problem}")
 
 
 async def _discard(writer: asyncio.StreamWriter, ep: Endpoint | None) -> None:
@@ -156,147 +269,8 @@ async def _quiet(aw: Awaitable[Any]) -> None:
         pass
 
 
-class Listener:
-    """Accepts aiordma connections; each one runs ``handler(ep)`` in its own task.
-
-    ``port`` is the bound TCP port. ``close()`` stops accepting (existing endpoints
-    live on); ``wait_closed()`` waits for the listening socket, the in-progress
-    handshakes and the handlers of accepted connections. An endpoint still open when its handler returns is closed gracefully;
-    an exception from the handler is logged and the endpoint aborted.
-    """
-
-    def __init__(self, handler: Handler, opts: EndpointOptions) -> None:
-        self._handler = handler
-        self._opts = opts
-        self._server: asyncio.Server | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
-        self.handshake_errors = 0
-        self.accepted = 0
-
-    async def _start(self, host: str | None, port: int, **server_kw: Any) -> None:
-        self._server = await asyncio.start_server(self._on_client, host, port, **server_kw)
-
-    @property
-    def port(self) -> int:
-        assert self._server is not None
-        port: int = self._server.sockets[0].getsockname()[1]
-        return port
-
-    @property
-    def sockets(self) -> tuple[Any, ...]:
-        return tuple(self._server.sockets) if self._server else ()
-
-    def _on_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.get_running_loop().create_task(self._serve(reader, writer))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            ep = await self._accept(reader, writer)
-        except HandshakeError as exc:
-            self.handshake_errors += 1
-            log.info("aiordma: handshake with %s failed: %s",
-                     writer.get_extra_info("peername"), exc)
-            return
-        except Exception as exc:  # e.g. device out of resources: reject, keep serving
-            log.warning("aiordma: accepting a connection failed: %r", exc)
-            return
-        self.accepted += 1
-        try:
-            await self._handler(ep)
-        except asyncio.CancelledError:
-            ep.abort()
-            raise
-        except Exception:
-            log.exception("aiordma: connection handler raised; aborting its endpoint")
-            ep.abort()
-        if not ep.closed:
-            await _quiet(ep.close())
-        await _quiet(ep.wait_closed())
-
-    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> Endpoint:
-        o = self._opts
-        loop = asyncio.get_running_loop()
-        _keepalive(writer)
-        decoder = HandshakeDecoder()
-        ep: Endpoint | None = None
-        try:
-            try:
-                msg = await _read_message(reader, decoder, o.handshake_timeout, "HELLO")
-                if not isinstance(msg, Hello):
-                    raise HandshakeError(f"expected HELLO, got {type(msg).__name__}")
-                device = _device_for(o)
-                ep = Endpoint(device, o, loop)
-                _check_peer(ep, msg)
-            except HandshakeError as exc:
-                _reply(writer, encode_reject(str(exc)[:200]))
-                raise
-            local_ip = writer.get_extra_info("sockname")[0]
-            hello = ep.local_hello(local_ip)
-            ep.establish(msg)
-            writer.write(encode_accept(hello))
-            await writer.drain()
-            ready = await _read_message(reader, decoder, o.handshake_timeout, "READY")
-            if not isinstance(ready, Ready):
-                raise HandshakeError(f"expected READY, got {type(ready).__name__}")
-            ep.start(reader, writer)
-            return ep
-        except BaseException:
-            await _discard(writer, ep)
-            raise
-
-    def close(self) -> None:
-        """Stop accepting new connections. Idempotent."""
-        if self._server is not None:
-            self._server.close()
-
-    async def start_serving(self) -> None:
-        """Start accepting connections (after ``listen(..., start_serving=False)``).
-        Idempotent."""
-        if self._server is not None:
-            await self._server.start_serving()
-
-    def is_serving(self) -> bool:
-        return self._server is not None and self._server.is_serving()
-
-    async def wait_closed(self) -> None:
-        """Wait until the listening socket is closed and every connection it accepted
-        has finished its handler and been torn down (like asyncio 3.12's Server)."""
-        if self._server is not None:
-            await self._server.wait_closed()
-        while self._tasks:
-            await asyncio.wait(set(self._tasks))
-
-    async def __aenter__(self) -> Listener:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        self.close()
-        await self.wait_closed()
-
-    def __repr__(self) -> str:
-        where = self._server.sockets[0].getsockname() if self._server and self._server.sockets else None
-        return f"<aiordma.Listener {where} accepted={self.accepted}>"
-
-
 def _reply(writer: asyncio.StreamWriter, data: bytes) -> None:
     try:
         writer.write(data)
     except (ConnectionError, OSError, RuntimeError):
         pass
-
-
-async def listen(handler: Handler, host: str | None = "127.0.0.1", port: int = 0, *,
-                 start_serving: bool = True, **opts: Any) -> Listener:
-    """Listen for aiordma connections on ``host:port`` (0 = any free port).
-
-    ``handler(ep)`` runs in its own task per connection. Options as ``connect``.
-    ``start_serving=False`` binds and listens but accepts nothing until
-    ``listener.start_serving()`` (as asyncio's ``create_server``).
-    Raises OSError if the address is in use, TypeError/ValueError for bad options.
-    """
-    o = EndpointOptions.from_kwargs(opts)
-    listener = Listener(handler, o)
-    await listener._start(host, port, start_serving=start_serving)
-    return listener

@@ -203,7 +203,10 @@ class Endpoint:
     # released by _destroy_resources (deleted: the endpoint holds them no more)
     __deletable__ = ("_qp", "_staging_out", "_staging_in", "_spool", "_rpool", "_pd")
 
-    def __init__(self, device: Device, opts: EndpointOptions, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, device: Device, opts: EndpointOptions, loop: asyncio.AbstractEventLoop,
+                 *, auth_key: bytes | None = None) -> None:
+        """``auth_key``: the connection key both sides derived in the handshake
+        (``protocol.auth``), which a ``soft`` device makes the peer prove."""
         self._loop = loop
         self._device = device
         self._opts = opts
@@ -245,7 +248,7 @@ class Endpoint:
                 max_send_sge=1, max_recv_sge=1, max_inline_data=self._inline_cap))
             self._qp.modify(QPAttr(QPState.INIT, port_num=1, qp_access_flags=(
                 Access.LOCAL_WRITE | Access.REMOTE_READ | Access.REMOTE_WRITE
-                | Access.REMOTE_ATOMIC)))
+                | Access.REMOTE_ATOMIC), auth_key=auth_key))
         except BaseException:
             self._destroy_resources()
             raise

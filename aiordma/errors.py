@@ -136,6 +136,9 @@ class HandshakeTimeout(HandshakeError, TimeoutError):
     """A step of connection setup took longer than its timeout; the message says which
     step (what was waited for) and how long."""
 
+    def __init__(self, msg: str) -> None:
+        OSError.__init__(self, errno.ETIMEDOUT, msg)
+
 
 class AuthenticationError(HandshakeError):
     """The peer failed the shared-secret authentication of connection setup (wrong or

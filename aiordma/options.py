@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import ssl
 from typing import Any
+
+from .protocol.auth import check_secret
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -25,6 +28,14 @@ class EndpointOptions:
       post for all; fewer when ``recv_depth`` is small, see protocol.credits rule 6).
     * ``inline_threshold``: frames up to this size are posted inline (device limit too).
     * ``handshake_timeout``: seconds for each step of connection setup.
+    * ``secret``: a shared secret (bytes, at least 16) both sides must prove in the
+      handshake (mutual challenge-response, ``protocol.auth``); a listener with one
+      refuses clients without it, and a client with one refuses a listener without it.
+    * ``ssl``/``server_hostname``: an ``ssl.SSLContext`` for the setup TCP connection
+      (descriptors and keys travel on it), as asyncio's ``create_connection`` and
+      ``start_server`` take them.
+    * ``max_handshakes``: a listener's handshakes in progress at most; a new connection
+      beyond it drops the oldest one (a silent or slow client), which is refused.
     * ``poll_mode``/``spin_us``: completion polling policy (see cq_reactor).
     * ``close_timeout``: seconds ``close()`` waits for pending sends and flushes.
     * ``max_wr_size``: most bytes one RDMA READ/WRITE work request moves (default and
@@ -47,6 +58,10 @@ class EndpointOptions:
     repost_batch: int = 16
     inline_threshold: int = 128
     handshake_timeout: float = 10.0
+    secret: bytes | None = dataclasses.field(default=None, repr=False)  # never printed
+    ssl: Any = None
+    server_hostname: str | None = None
+    max_handshakes: int = 128
     poll_mode: str | None = None
     spin_us: int | None = None
     close_timeout: float = 10.0
@@ -84,5 +99,10 @@ class EndpointOptions:
             raise ValueError("max_wr_size must be >= 4 KiB")
         if self.rndv_prefetch < 0:
             raise ValueError("rndv_prefetch must be >= 0")
+        self.secret = check_secret(self.secret)
+        if self.ssl is not None and not isinstance(self.ssl, ssl.SSLContext):
+            raise TypeError("ssl must be an ssl.SSLContext")
+        if self.max_handshakes < 1:
+            raise ValueError("max_handshakes must be >= 1")
         if self.handshake_timeout <= 0 or self.close_timeout <= 0:
             raise ValueError("timeouts must be positive")

@@ -53,9 +53,10 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from .connection import Listener, connect, listen
+from .connection import connect
 from .endpoint import Endpoint
 from .errors import ConnectionClosed, MessageTooLarge
+from .listener import Listener, listen
 
 log = logging.getLogger("aiordma")
 

@@ -7,8 +7,9 @@ The pieces live in ``endpoint.py`` (the message API), ``connection.py`` (handsha
 
 from __future__ import annotations
 
-from .connection import Listener, connect, listen
+from .connection import connect
 from .endpoint import Endpoint
+from .listener import Listener, listen
 from .rdma_transport import RDMAServer, RDMATransport, create_connection, create_server
 
 __all__ = ["Endpoint", "Listener", "RDMAServer", "RDMATransport", "connect",

@@ -25,7 +25,14 @@ from aiordma.protocol import (
     encode_ready,
     encode_reject,
 )
-from aiordma.protocol.handshake import MAX_BODY, VERSION
+from aiordma.protocol.handshake import (
+    MAX_BODY,
+    PREAMBLE,
+    VERSION,
+    Greeting,
+    RejectCode,
+    encode_greeting,
+)
 
 HELLO = Hello(
     qp_num=0x11,
@@ -54,19 +61,23 @@ def hellos(draw: st.DrawFn) -> Hello:
         max_message_size=draw(st.integers(eager, 1 << 40)),
         provider=draw(st.sampled_from(["soft", "verbs"])),
         flags=draw(st.integers(0, 0xFFFFFFFF)),
+        nonce=draw(st.binary(min_size=16, max_size=16)),
+        mac=draw(st.binary(min_size=32, max_size=32)),
     )
 
 
 messages = st.one_of(
     hellos(),
     hellos().map(Accept),
-    st.text(max_size=80).map(Reject),
+    st.builds(Reject, st.text(max_size=80), st.sampled_from(list(RejectCode)),
+              st.integers(0, 0xFFFF)),
     st.just(Ready()),
+    st.builds(Greeting, st.binary(min_size=16, max_size=16), st.integers(0, 0xFFFFFFFF)),
 )
 
 
 def header(
-    kind: int, length: int, *, magic: bytes = b"AIOR", version: int = 1, res: int = 0
+    kind: int, length: int, *, magic: bytes = b"AIOR", version: int = VERSION, res: int = 0
 ) -> bytes:
     return struct.pack("!4sHBBI", magic, version, kind, res, length)
 
@@ -114,8 +125,14 @@ def test_message_sequences_round_trip(msgs: list[Message]) -> None:
 
 def test_reject_and_ready() -> None:
     assert decode_all(encode_reject("go away ✋")) == [Reject("go away ✋")]
+    assert decode_all(encode_reject("full", RejectCode.LIMIT, 24)) == [
+        Reject("full", RejectCode.LIMIT, 24)]
     assert decode_all(encode_ready()) == [Ready()]
-    assert encode_ready() == b"AIOR\x00\x01\x04\x00\x00\x00\x00\x00"
+    assert encode_ready() == b"AIOR\x00\x02\x04\x00\x00\x00\x00\x00"
+    g = Greeting(bytes(range(16)), 1)
+    assert decode_all(encode_greeting(g)) == [g]
+    with pytest.raises(ValueError, match="nonce"):
+        Greeting(b"short")
 
 
 def test_reject_reason_is_cut_at_a_character_boundary() -> None:
@@ -134,8 +151,9 @@ def test_encode_hello_rejects_other_kinds() -> None:
 
 def test_wire_layout() -> None:
     data = encode_hello(HELLO)
-    assert data[:12] == header(1, 50)
+    assert data[:12] == header(1, 98)
     assert data[12:16] == b"\x00\x00\x00\x11"  # qp_num, network order
+    assert data[-53:-5] == bytes(48)  # nonce and mac (zeros by default)
     assert data[-5:] == b"\x04soft"
 
 
@@ -186,18 +204,20 @@ def test_message_then_garbage_in_one_feed() -> None:
         (b"GET / HTTP/1.1\r\n", r"not an aiordma peer: magic byte 0 is 0x47, expected b'AIOR'"),
         (b"AIOX", "not an aiordma peer: magic byte 3"),
         (b"A", None),  # a prefix of the magic is fine ... until eof
-        (header(4, 0, version=2), "version mismatch: peer speaks 2, we speak 1"),
-        (header(4, 0, version=0), "version mismatch: peer speaks 0, we speak 1"),
+        (header(4, 0, version=3), "version mismatch: peer speaks 3, we speak 2"),
+        (header(4, 0, version=0), "version mismatch: peer speaks 0, we speak 2"),
         (header(0, 0), "unknown handshake message kind 0"),
-        (header(5, 0), "unknown handshake message kind 5"),
+        (header(6, 0), "unknown handshake message kind 6"),
         (header(4, 0, res=1), "reserved byte must be 0, got 1"),
         (header(3, MAX_BODY + 1), "REJECT body of 1025 bytes exceeds 1024"),
         (header(3, 0xFFFFFFFF), "exceeds 1024"),
         (header(4, 1), r"READY body must be 0..0 bytes, got 1"),
-        (header(3, 257), r"REJECT body must be 0..256 bytes, got 257"),
-        (header(1, 45), r"HELLO body must be 46..62 bytes, got 45"),
-        (header(2, 63), r"ACCEPT body must be 46..62 bytes, got 63"),
-        (header(3, 2) + b"\xff\xfe", "REJECT reason is not valid utf-8"),
+        (header(3, 260), r"REJECT body must be 3..259 bytes, got 260"),
+        (header(3, 2), r"REJECT body must be 3..259 bytes, got 2"),
+        (header(5, 19), r"GREETING body must be 20..20 bytes, got 19"),
+        (header(1, 93), r"HELLO body must be 94..110 bytes, got 93"),
+        (header(2, 111), r"ACCEPT body must be 94..110 bytes, got 111"),
+        (header(3, 5) + b"\x00\x00\x00\xff\xfe", "REJECT reason is not valid utf-8"),
     ],
 )
 def test_header_rules(data: bytes, match: str | None) -> None:
@@ -222,8 +242,8 @@ def hello_body(provider: bytes = b"soft", plen: int | None = None, **over: int) 
     f = dict(qp_num=1, psn=2, lid=3, mtu=3, recv_credits=16, eager=4096, max_msg=1 << 20, flags=0)
     f.update(over)
     return struct.pack(
-        "!II16sHBHIQIB", f["qp_num"], f["psn"], bytes(16), f["lid"], f["mtu"],
-        f["recv_credits"], f["eager"], f["max_msg"], f["flags"],
+        "!II16sHBHIQI16s32sB", f["qp_num"], f["psn"], bytes(16), f["lid"], f["mtu"],
+        f["recv_credits"], f["eager"], f["max_msg"], f["flags"], bytes(16), bytes(32),
         len(provider) if plen is None else plen,
     ) + provider  # fmt: skip
 
@@ -272,6 +292,8 @@ def test_hello_constructor_validates() -> None:
         ("flags", 1 << 32),
         ("provider", "x" * 17),
         ("recv_credits", True),
+        ("nonce", b"short"),
+        ("mac", bytes(31)),
     ]
     for field, value in bad:
         with pytest.raises(ValueError, match=field):
@@ -316,3 +338,40 @@ def test_truncation_poisons_too() -> None:
         dec.eof()
     with pytest.raises(HandshakeError, match="truncated"):
         dec.feed(encode_ready())
+
+
+# -- the client's preamble (the listener's decoder) ------------------------------------------
+
+
+def test_preamble_then_messages_split_anywhere() -> None:
+    data = PREAMBLE + encode_hello(HELLO) + encode_ready()
+    for i in range(len(data) + 1):
+        dec = HandshakeDecoder(preamble=True)
+        assert dec.feed(data[:i]) + dec.feed(data[i:]) == [HELLO, Ready()]
+
+
+@pytest.mark.parametrize(
+    ("data", "match"),
+    [
+        (b"GET / HTTP/1.1\r\n", r"not an aiordma client: it sent b'GET / HTTP/1.1"),
+        (b"AIORDMA/3\r\n\r\n", "not an aiordma client"),
+        (header(1, 98, version=1), "version mismatch: peer speaks 1, we speak 2"),
+        (b"AIORD", None),
+    ],
+)
+def test_preamble_rules(data: bytes, match: str | None) -> None:
+    dec = HandshakeDecoder(preamble=True)
+    if match is None:
+        assert dec.feed(data) == []
+        with pytest.raises(HandshakeError, match="truncated preamble: .* 5 of 13 bytes"):
+            dec.eof()
+        return
+    with pytest.raises(HandshakeError, match=match):
+        dec.feed(data)
+    assert dec.first_bytes == data[:64]
+
+
+def test_a_line_based_server_answers_the_preamble() -> None:
+    """The preamble is a complete (bad) HTTP request: an HTTP server answers it."""
+    request_line, _, rest = PREAMBLE.partition(b"\r\n")
+    assert rest == b"\r\n" and b" " not in request_line  # one word: "Bad request syntax"

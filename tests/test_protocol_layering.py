@@ -8,7 +8,8 @@ from pathlib import Path
 
 import aiordma.protocol
 
-ALLOWED = {"__future__", "struct", "enum", "dataclasses", "errno", "typing", "aiordma.errors"}
+ALLOWED = {"__future__", "struct", "enum", "dataclasses", "errno", "typing", "aiordma.errors",
+           "hashlib", "hmac", "secrets"}  # (auth.py: pure computation, no I/O)
 PACKAGE = Path(aiordma.protocol.__file__).parent
 
 

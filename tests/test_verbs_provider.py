@@ -152,11 +152,12 @@ def local_addr(ctx: Context) -> tuple[bytes, int, int]:
 def bring_up(ctx: Context, qp: QP, peer_qpn: int, *, access: Access = ACC_ALL,
              psn: int = PSN, peer_psn: int = PSN, timeout: int = 14, retry_cnt: int = 7,
              rnr_retry: int = 7, min_rnr_timer: int = 1,
-             remote: tuple[bytes, int] | None = None, stop_at: QPState = QPState.RTS) -> None:
+             remote: tuple[bytes, int] | None = None, stop_at: QPState = QPState.RTS,
+             auth_key: bytes | None = None) -> None:
     gid, lid, gi = local_addr(ctx)
     if remote is not None:
         gid, lid = remote
-    qp.modify(QPAttr(QPState.INIT, qp_access_flags=access))
+    qp.modify(QPAttr(QPState.INIT, qp_access_flags=access, auth_key=auth_key))
     if stop_at == QPState.INIT:
         return
     qp.modify(QPAttr(QPState.RTR, dest_qp_num=peer_qpn, rq_psn=peer_psn, path_mtu=MTU.MTU_1024,
@@ -1127,11 +1128,13 @@ class Child:
     def connect(self, ctx: Context, qp: QP, **attrs: Any) -> None:
         gid, lid, _ = local_addr(ctx)
         assert self.proc.stdin is not None
+        key = os.urandom(16)  # soft: the secret both QPs prove (QPAttr.auth_key)
         self.proc.stdin.write(json.dumps({"qpn": qp.qp_num, "gid": gid.hex(), "lid": lid,
-                                          "psn": PSN}) + "\n")
+                                          "psn": PSN, "key": key.hex()}) + "\n")
         self.proc.stdin.flush()
         bring_up(ctx, qp, self.info["qpn"], peer_psn=self.info["psn"],
-                 remote=(bytes.fromhex(self.info["gid"]), self.info["lid"]), **attrs)
+                 remote=(bytes.fromhex(self.info["gid"]), self.info["lid"]), auth_key=key,
+                 **attrs)
         assert self._line() == {"ready": True}
 
     def stop(self) -> None:

@@ -3,7 +3,7 @@
 Protocol on stdin/stdout, one JSON object per line:
 
 1. child -> parent: {"qpn", "gid" (hex), "lid", "addr", "rkey", "length", "psn"}
-2. parent -> child: {"qpn", "gid" (hex), "lid", "psn"}
+2. parent -> child: {"qpn", "gid" (hex), "lid", "psn", "key" (hex: QPAttr.auth_key)}
 3. child -> parent: {"ready": true}; then the child only sleeps (time.sleep) until it is
    killed: every one-sided operation on its memory is served without its help.
 
@@ -48,7 +48,7 @@ def main() -> None:
                       "lid": ctx.query_port(1).lid, "addr": mr.addr, "rkey": mr.rkey,
                       "length": mr.length, "psn": psn}), flush=True)
     peer = json.loads(sys.stdin.readline())
-    qp.modify(QPAttr(QPState.INIT, qp_access_flags=acc))
+    qp.modify(QPAttr(QPState.INIT, qp_access_flags=acc, auth_key=bytes.fromhex(peer["key"])))
     qp.modify(QPAttr(QPState.RTR, dest_qp_num=peer["qpn"], rq_psn=peer["psn"],
                      path_mtu=MTU.MTU_1024, max_dest_rd_atomic=16, min_rnr_timer=1,
                      ah_attr=AHAttr(dgid=bytes.fromhex(peer["gid"]), dlid=peer["lid"],

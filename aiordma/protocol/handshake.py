@@ -1,20 +1,31 @@
 """Out-of-band (TCP) connection-setup codec: versioned, length-checked, sans-IO.
 
-Every message is a 12-byte header then a body, all integers in network byte order::
+The client's first bytes are the text line ``PREAMBLE`` (``b"AIORDMA/2\r\n\r\n"``), so
+that a line-based server it reached by mistake (HTTP, Redis, ...) answers at once and
+the client can name it; the listener's first bytes are a GREETING. After that every
+message is a 12-byte header then a body, all integers in network byte order::
 
     magic b"AIOR" | version u16 | kind u8 | reserved u8 (0) | body length u32 | body
 
-Kinds: HELLO (client -> server: its QP parameters), ACCEPT (server -> client: its own
-parameters, same body as HELLO), REJECT (server -> client: utf-8 reason, <= 256 bytes),
-READY (client -> server, empty: the client's QP is ready to receive).
+Kinds, in the order they travel::
 
-HELLO/ACCEPT body (``_PARAMS``, 46 bytes, then the provider name)::
+    server -> client  GREETING  nonce 16s | flags u32 (FLAG_SECRET: the listener
+                                requires the shared secret)
+    client -> server  HELLO     the client's QP parameters, its nonce and MAC
+    server -> client  ACCEPT    the server's parameters (same body), its MAC
+                      | REJECT  code u8 | errno u16 | utf-8 reason (<= 256 bytes)
+    client -> server  READY     empty: the client's QP is ready to receive
+
+HELLO/ACCEPT body (``_PARAMS``, 94 bytes, then the provider name)::
 
     qp_num u32 | psn u32 | gid 16s | lid u16 | mtu u8 | recv_credits u16 | eager_size u32
-    | max_message_size u64 | flags u32 | provider length u8 | provider (ascii)
+    | max_message_size u64 | flags u32 | nonce 16s | mac 32s | provider length u8
+    | provider (ascii)
 
-An ACCEPT decodes to ``Accept(params=Hello(...))``, a separate class so that
-``isinstance(msg, Hello)`` (or ``case Hello()``) never matches a server's reply.
+``nonce`` and ``mac`` are what ``auth.py`` computes: random nonces from both sides, and
+MACs that are all zeros unless the shared secret is in use. An ACCEPT decodes to
+``Accept(params=Hello(...))``, a separate class so that ``isinstance(msg, Hello)`` (or
+``case Hello()``) never matches a server's reply.
 """
 
 from __future__ import annotations
@@ -30,6 +41,13 @@ from .credits import MIN_SLOTS
 __all__ = [
     "MAGIC",
     "VERSION",
+    "PREAMBLE",
+    "FLAG_SECRET",
+    "NONCE_SIZE",
+    "MAC_SIZE",
+    "Greeting",
+    "RejectCode",
+    "encode_greeting",
     "MAX_BODY",
     "MAX_REASON",
     "PROVIDERS",
@@ -48,7 +66,13 @@ __all__ = [
 ]
 
 MAGIC = b"AIOR"
-VERSION = 1
+VERSION = 2
+PREAMBLE = b"AIORDMA/2\r\n\r\n"
+FLAG_SECRET = 1  # GREETING: the listener requires the shared secret
+NONCE_SIZE = 16
+MAC_SIZE = 32
+_ZERO_NONCE = bytes(NONCE_SIZE)
+_ZERO_MAC = bytes(MAC_SIZE)
 MAX_BODY = 1024
 MAX_REASON = 256
 MAX_PROVIDER = 16
@@ -58,7 +82,9 @@ MAX_EAGER = 16 << 20
 MAX_MESSAGE = 1 << 40
 
 _HEADER = struct.Struct("!4sHBBI")
-_PARAMS = struct.Struct("!II16sHBHIQIB")
+_PARAMS = struct.Struct("!II16sHBHIQI16s32sB")
+_GREETING = struct.Struct("!16sI")
+_REJECT = struct.Struct("!BH")
 HEADER_SIZE = _HEADER.size  # 12
 
 
@@ -69,6 +95,16 @@ class Kind(IntEnum):
     ACCEPT = 2
     REJECT = 3
     READY = 4
+    GREETING = 5
+
+
+class RejectCode(IntEnum):
+    """Why a listener refused a connection (REJECT's ``code``)."""
+
+    REFUSED = 0  # anything else: bad parameters, provider mismatch, a failure
+    AUTH = 1  # the shared-secret authentication failed
+    LIMIT = 2  # out of a resource (``errno``: EMFILE, ENFILE, ENOMEM)
+    BUSY = 3  # too many handshakes in progress
 
 
 @dataclass(frozen=True)
@@ -86,6 +122,8 @@ class Hello:
     max_message_size: int
     provider: str
     flags: int = 0
+    nonce: bytes = _ZERO_NONCE
+    mac: bytes = _ZERO_MAC
 
     def __post_init__(self) -> None:
         problem = _check_params(self)
@@ -102,9 +140,26 @@ class Accept:
 
 @dataclass(frozen=True)
 class Reject:
-    """The server refused the connection; ``reason`` is for humans."""
+    """The server refused the connection; ``reason`` is for humans, ``code`` for code
+    (``RejectCode``), ``errno`` the OS error of a ``LIMIT`` (else 0)."""
 
     reason: str
+    code: int = RejectCode.REFUSED
+    errno: int = 0
+
+
+@dataclass(frozen=True)
+class Greeting:
+    """The listener's first message: its nonce and ``flags`` (``FLAG_SECRET``)."""
+
+    nonce: bytes
+    flags: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.nonce, bytes) or len(self.nonce) != NONCE_SIZE:
+            raise ValueError(f"nonce must be {NONCE_SIZE} bytes")
+        if not 0 <= self.flags <= 0xFFFFFFFF:
+            raise ValueError(f"flags {self.flags} out of range")
 
 
 @dataclass(frozen=True)
@@ -112,7 +167,7 @@ class Ready:
     """The client's QP is ready (RTR/RTS): the server may send."""
 
 
-Message = Hello | Accept | Reject | Ready
+Message = Hello | Accept | Reject | Ready | Greeting
 
 
 def _check_params(h: Hello) -> str | None:
@@ -134,6 +189,10 @@ def _check_params(h: Hello) -> str | None:
             return f"{name} {value} out of range ({lo}..{hi})"
     if not isinstance(h.gid, bytes) or len(h.gid) != 16:
         return f"gid must be 16 bytes, got {h.gid!r}"
+    if not isinstance(h.nonce, bytes) or len(h.nonce) != NONCE_SIZE:
+        return f"nonce must be {NONCE_SIZE} bytes"
+    if not isinstance(h.mac, bytes) or len(h.mac) != MAC_SIZE:
+        return f"mac must be {MAC_SIZE} bytes"
     if h.provider not in PROVIDERS:
         return f"unknown provider {h.provider!r} (expected one of {sorted(PROVIDERS)})"
     return None
@@ -151,12 +210,16 @@ def encode_hello(h: Hello, kind: Kind = Kind.HELLO) -> bytes:
     kind. ``h`` was validated when constructed."""
     if kind not in (Kind.HELLO, Kind.ACCEPT):
         raise ValueError(f"encode_hello needs kind HELLO or ACCEPT, got {kind!r}")
+    return _frame(kind, hello_body(h))
+
+
+def hello_body(h: Hello) -> bytes:
+    """The HELLO/ACCEPT body of ``h`` (what ``auth`` MACs, with a zero ``mac``)."""
     p = h.provider.encode("ascii")
-    body = _PARAMS.pack(
+    return _PARAMS.pack(
         h.qp_num, h.psn, h.gid, h.lid, h.mtu, h.recv_credits, h.eager_size,
-        h.max_message_size, h.flags, len(p),
+        h.max_message_size, h.flags, h.nonce, h.mac, len(p),
     ) + p  # fmt: skip
-    return _frame(kind, body)
 
 
 def encode_accept(params: Hello) -> bytes:
@@ -164,10 +227,15 @@ def encode_accept(params: Hello) -> bytes:
     return encode_hello(params, Kind.ACCEPT)
 
 
-def encode_reject(reason: str) -> bytes:
+def encode_reject(reason: str, code: int = RejectCode.REFUSED, errno: int = 0) -> bytes:
     """Encode a REJECT; the utf-8 reason is cut to 256 bytes (at a character boundary)."""
     raw = reason.encode("utf-8")[:MAX_REASON].decode("utf-8", "ignore").encode("utf-8")
-    return _frame(Kind.REJECT, raw)
+    return _frame(Kind.REJECT, _REJECT.pack(code, errno & 0xFFFF) + raw)
+
+
+def encode_greeting(g: Greeting) -> bytes:
+    """Encode the listener's GREETING."""
+    return _frame(Kind.GREETING, _GREETING.pack(g.nonce, g.flags))
 
 
 def encode_ready() -> bytes:
@@ -182,9 +250,11 @@ def encode(msg: Message) -> bytes:
     if isinstance(msg, Accept):
         return encode_accept(msg.params)
     if isinstance(msg, Reject):
-        return encode_reject(msg.reason)
+        return encode_reject(msg.reason, msg.code, msg.errno)
     if isinstance(msg, Ready):
         return encode_ready()
+    if isinstance(msg, Greeting):
+        return encode_greeting(msg)
     raise TypeError(f"not a handshake message: {msg!r}")
 
 
@@ -194,13 +264,19 @@ _MIN_PARAMS = _PARAMS.size
 _BODY_RANGE = {
     Kind.HELLO: (_MIN_PARAMS, _MIN_PARAMS + MAX_PROVIDER),
     Kind.ACCEPT: (_MIN_PARAMS, _MIN_PARAMS + MAX_PROVIDER),
-    Kind.REJECT: (0, MAX_REASON),
+    Kind.REJECT: (_REJECT.size, _REJECT.size + MAX_REASON),
     Kind.READY: (0, 0),
+    Kind.GREETING: (_GREETING.size, _GREETING.size),
 }
 
 
 class HandshakeDecoder:
     """Incremental decoder: ``feed`` bytes as they arrive, get whole messages back.
+
+    ``preamble=True`` (the listener's decoder) first expects the client's ``PREAMBLE``;
+    anything else there is refused as soon as a byte differs (an older aiordma client,
+    which sent a binary header at once, is told apart by its version). ``first_bytes``
+    keeps the first bytes received (up to 64), to quote a stranger in an error.
 
     Any violation raises ``HandshakeError`` and poisons the decoder: every later ``feed``
     or ``eof`` raises the same error again. Header checks (magic, version, kind, reserved,
@@ -213,11 +289,13 @@ class HandshakeDecoder:
     was split.
     """
 
-    __slots__ = ("_buf", "_error")
+    __slots__ = ("_buf", "_error", "_preamble", "first_bytes")
 
-    def __init__(self) -> None:
+    def __init__(self, *, preamble: bool = False) -> None:
         self._buf = bytearray()
         self._error: str | None = None
+        self._preamble = preamble
+        self.first_bytes = b""
 
     @property
     def error(self) -> HandshakeError | None:
@@ -237,9 +315,13 @@ class HandshakeDecoder:
         """Add ``data``; return the messages it completes, in order (possibly none)."""
         if self._error is not None:
             raise HandshakeError(self._error)
+        if len(self.first_bytes) < 64:
+            self.first_bytes += bytes(data[: 64 - len(self.first_bytes)])
         self._buf += data
         out: list[Message] = []
         try:
+            if self._preamble and not self._take_preamble():
+                return out
             while True:
                 msg = self._next()
                 if msg is None:
@@ -258,15 +340,35 @@ class HandshakeDecoder:
         if self._error is not None:
             raise HandshakeError(self._error)
         if self._buf:
-            need = self._need()
-            self._error = (
-                f"truncated handshake message: connection closed after {len(self._buf)} "
-                f"of {need} bytes" if need else
-                f"truncated handshake header: connection closed after {len(self._buf)} "
-                f"of {HEADER_SIZE} bytes"
-            )  # fmt: skip
+            n = len(self._buf)
+            need = 0 if self._preamble else self._need()
+            if self._preamble:
+                self._error = (f"truncated preamble: connection closed after {n} of "
+                               f"{len(PREAMBLE)} bytes")
+            elif need:
+                self._error = (f"truncated handshake message: connection closed after {n} "
+                               f"of {need} bytes")
+            else:
+                self._error = (f"truncated handshake header: connection closed after {n} "
+                               f"of {HEADER_SIZE} bytes")
             self._buf.clear()
             raise HandshakeError(self._error)
+
+    def _take_preamble(self) -> bool:
+        """Consume the PREAMBLE once it is all in (True); raise at the first wrong byte."""
+        buf = self._buf
+        n = min(len(buf), len(PREAMBLE))
+        if buf[:n] != PREAMBLE[:n]:
+            if buf[:4] == MAGIC and len(buf) >= 6 and buf[4] == 0:  # a binary header
+                version = int.from_bytes(buf[4:6], "big")
+                raise HandshakeError(f"version mismatch: peer speaks {version}, we speak "
+                                     f"{VERSION}")
+            raise HandshakeError(f"not an aiordma client: it sent {bytes(buf[:40])!r}")
+        if n < len(PREAMBLE):
+            return False
+        del buf[: len(PREAMBLE)]
+        self._preamble = False
+        return True
 
     def _need(self) -> int:
         """Total size of the buffered message once its header is known, else 0."""
@@ -308,12 +410,18 @@ class HandshakeDecoder:
 def _decode_body(kind: Kind, body: bytes) -> Message:
     if kind is Kind.READY:
         return Ready()
+    if kind is Kind.GREETING:
+        nonce, flags = _GREETING.unpack(body)
+        return Greeting(nonce, flags)
     if kind is Kind.REJECT:
+        code, err = _REJECT.unpack_from(body)
         try:
-            return Reject(body.decode("utf-8"))
+            reason = body[_REJECT.size:].decode("utf-8")
         except UnicodeDecodeError:
             raise HandshakeError("REJECT reason is not valid utf-8") from None
-    qp_num, psn, gid, lid, mtu, credits, eager, max_msg, flags, plen = _PARAMS.unpack_from(body)
+        return Reject(reason, code, err)
+    (qp_num, psn, gid, lid, mtu, credits, eager, max_msg, flags, nonce, mac,
+     plen) = _PARAMS.unpack_from(body)
     rest = len(body) - _MIN_PARAMS
     if plen > rest:
         raise HandshakeError(
@@ -323,7 +431,8 @@ def _decode_body(kind: Kind, body: bytes) -> Message:
         raise HandshakeError(f"{kind.name} has {rest - plen} bytes of trailing garbage")
     try:
         provider = body[_MIN_PARAMS:].decode("ascii")
-        hello = Hello(qp_num, psn, gid, lid, mtu, credits, eager, max_msg, provider, flags)
+        hello = Hello(qp_num, psn, gid, lid, mtu, credits, eager, max_msg, provider, flags,
+                      nonce, mac)
     except (UnicodeDecodeError, ValueError) as exc:
         raise HandshakeError(f"bad {kind.name}: {exc}") from None
     return hello if kind is Kind.HELLO else Accept(hello)

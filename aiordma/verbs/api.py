@@ -124,6 +124,12 @@ class QPAttr:
     qp_access_flags. INIT->RTR: path_mtu, dest_qp_num, rq_psn, max_dest_rd_atomic,
     min_rnr_timer, ah_attr. RTR->RTS: sq_psn, timeout, retry_cnt, rnr_retry,
     max_rd_atomic. Any->ERR / RESET: nothing.
+
+    ``auth_key`` (RESET->INIT; the ``soft`` provider only, hardware has no such check):
+    a secret of at least 16 bytes that both QPs of a connection are given; the soft
+    device admits a connection to this QP only from a device that proves it knows the
+    key (its HELLO's MAC). ``None``: the device's own secret, so only QPs of the same
+    process can connect.
     """
 
     qp_state: QPState
@@ -141,6 +147,7 @@ class QPAttr:
     retry_cnt: int = 7
     rnr_retry: int = 7
     ah_attr: AHAttr | None = None
+    auth_key: bytes | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -293,6 +300,17 @@ class Context(abc.ABC):
 
         Raises DeviceError with a clear message when no GID matches.
         """
+
+    def peer_address_problem(self, gid: bytes, lid: int, seen_ip: str) -> str | None:
+        """Why this device should not send to the port ``gid``/``lid`` that a peer
+        named over a setup connection coming from ``seen_ip``, or None.
+
+        Devices that open connections of their own to that address (``soft``) refuse an
+        address the peer does not have, so that a handshake cannot make them connect
+        to a third party. RDMA hardware sends where the fabric routes the GID, often
+        over another network than the setup connection's, and cannot check: None.
+        """
+        return None
 
     @abc.abstractmethod
     def alloc_pd(self) -> PD: ...

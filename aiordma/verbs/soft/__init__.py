@@ -7,7 +7,10 @@ Modules (one reason to change each):
 * ``addr``      -- configuration (AIORDMA_SOFT_ADDR/PORT/UNIX), GID table, peer addresses
 * ``limits``    -- device attributes reported by query_device
 * ``engine``    -- the per-process device: listeners, NIC thread (watchdog), timers, tables
+* ``admission`` -- who may connect: peer credentials, pending HELLOs (cap, timeout), MACs
+* ``dial``      -- outgoing connections (made in the caller's thread, adopted by the NIC)
 * ``conn``      -- one connection: output queue, zero-copy input parser, its driver
+* ``sink``      -- where a payload goes (slices of registered memory, or nowhere)
 * ``cma``       -- same-host cross-memory attach (process_vm_readv/writev) for READ/WRITE
 * ``notify``    -- pipe-backed readable flag (channel fds, async fd)
 * ``cq``        -- CQ and completion channel (manual progress: the loop moves the bytes)

@@ -79,6 +79,23 @@ def sockaddr_of(gid: bytes, port: int) -> tuple[int, tuple[str, int]]:
     return socket.AF_INET6, (socket.inet_ntop(socket.AF_INET6, gid), port)
 
 
+def is_local(ip: str) -> bool:
+    """True for a loopback address or an IPv4 address of a local interface."""
+    a = ipaddress.ip_address(ip)
+    if isinstance(a, ipaddress.IPv6Address) and a.ipv4_mapped is not None:
+        a = a.ipv4_mapped
+    return a.is_loopback or str(a) in local_ipv4_addresses()
+
+
+def same_host(a: str, b: str) -> bool:
+    """True when the addresses ``a`` and ``b`` are one host: equal (IPv4-mapped IPv6
+    counts as its IPv4 address), or both of this machine."""
+    x, y = ipaddress.ip_address(a), ipaddress.ip_address(b)
+    x = x.ipv4_mapped or x if isinstance(x, ipaddress.IPv6Address) else x
+    y = y.ipv4_mapped or y if isinstance(y, ipaddress.IPv6Address) else y
+    return x == y or (is_local(a) and is_local(b))
+
+
 def local_ipv4_addresses() -> list[str]:
     """IPv4 addresses of the local interfaces (127.0.0.1 first)."""
     out = ["127.0.0.1"]

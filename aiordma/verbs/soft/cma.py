@@ -65,12 +65,13 @@ import time
 from collections import OrderedDict
 from typing import Any
 
+from .admission import peer_credentials
+
 DEFAULT_MIN = 256 * 1024
 #: the kernel's IOV_MAX: longer SGE lists use the socket
 IOV_MAX = 1024
 
 IOV = struct.Struct("<QQ")
-_CRED = struct.Struct("3i")
 
 
 class _IOVec(ctypes.Structure):
@@ -111,14 +112,9 @@ def min_size() -> int:
 
 
 def peer_pid(sock: socket.socket) -> int:
-    if sock.family != socket.AF_UNIX:
-        return 0
-    try:
-        pid, _uid, _gid = _CRED.unpack(
-            sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
-    except OSError:  # pragma: no cover
-        return 0
-    return pid if pid > 0 else 0
+    """The pid of a Unix socket's peer, 0 if unknown or not a Unix socket."""
+    cred = peer_credentials(sock)
+    return cred[0] if cred is not None and cred[0] > 0 else 0
 
 
 def address_of(view: memoryview) -> int:

@@ -9,7 +9,9 @@ one thread at a time (``_busy``); only the NIC thread closes the socket. Output
 the caller writes straight to the socket (the latency fast path); whatever the kernel
 does not take is queued and the driver is asked to finish it.
 
-Input: bytes are read into a staging buffer and parsed there; a payload goes to its
+Input: bytes are read into a staging buffer and parsed there (the buffer is borrowed
+from the device's small pool while bytes are staged and given back when all are
+parsed, so an idle or closed connection holds none); a payload goes to its
 ``Sink`` (a list of memoryview slices of registered memory). Bytes of a payload that
 arrived together with its header are copied from staging; the rest of a large payload
 is received with ``recv_into`` straight into the destination. A sink's ``job`` (a
@@ -29,17 +31,16 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
 from itertools import islice
 from typing import TYPE_CHECKING, Final, Protocol
 
 from . import cma, wire
+from .sink import STAGE_SIZE, Sink, discard
 
 if TYPE_CHECKING:
     from .cq import SoftCompChannel
     from .engine import Engine
 
-STAGE_SIZE: Final = 256 * 1024
 DIRECT_MIN: Final = 64 * 1024
 READ_BUDGET: Final = 8 * 1024 * 1024
 IOV_CHUNK: Final = 64
@@ -54,8 +55,11 @@ CMA_PROBING: Final = 1
 CMA_ON: Final = 2
 CMA_OFF: Final = 3
 
-_scratch = memoryview(bytearray(STAGE_SIZE))
+_NO_STAGE: Final = bytearray()
+#: staging buffers a device keeps for its connections to borrow (one per parsing thread)
+STAGE_POOL: Final = 4
 _HDR_UNPACK: Final = wire.HDR.unpack_from
+_HDR_SIZE: Final = wire.HDR.size
 
 
 class ConnOwner(Protocol):
@@ -66,68 +70,15 @@ class ConnOwner(Protocol):
     def conn_closed(self, conn: Conn) -> None: ...
 
 
-class Sink:
-    """Destination of ``length`` payload bytes: ``segs`` (None = discard), then ``job``
-    (device lock released), then ``on_done`` (lock held)."""
-
-    __slots__ = ("segs", "idx", "off", "remaining", "on_done", "job")
-
-    def __init__(self, segs: list[memoryview] | None, length: int,
-                 on_done: Callable[[], None] | None = None,
-                 job: Callable[[], None] | None = None) -> None:
-        self.segs = segs
-        self.idx = 0
-        self.off = 0
-        self.remaining = length
-        self.on_done = on_done
-        self.job = job
-
-    def target(self) -> memoryview:
-        """Where the next bytes go (at most ``remaining``)."""
-        if self.segs is None:
-            return _scratch[: min(self.remaining, STAGE_SIZE)]
-        seg = self.segs[self.idx]
-        while self.off >= len(seg):
-            self.idx += 1
-            self.off = 0
-            seg = self.segs[self.idx]
-        return seg[self.off:]
-
-    def advance(self, n: int) -> None:
-        self.remaining -= n
-        if self.segs is not None:
-            self.off += n
-
-    def feed(self, src: memoryview) -> int:
-        """Copy from ``src`` (staged bytes); returns how many were consumed."""
-        used = 0
-        avail = len(src)
-        while avail > used and self.remaining:
-            if self.segs is None:
-                k = min(avail - used, self.remaining)
-            else:
-                t = self.target()
-                k = min(avail - used, len(t), self.remaining)
-                t[:k] = src[used:used + k]
-            self.advance(k)
-            used += k
-        return used
-
-
-def discard(length: int) -> Sink | None:
-    return Sink(None, length) if length else None
-
-
 class Conn:
     """A TCP connection carrying soft-device messages (see ``wire``)."""
 
     def __init__(self, engine: Engine, sock: socket.socket | None, owner: ConnOwner | None,
-                 *, expect_hello: bool, state: int) -> None:
+                 *, state: int) -> None:
         self.engine = engine
         self.sock = sock
         self.owner = owner
         self.state = state
-        self.expect_hello = expect_hello
         self.out: deque[bytes | memoryview] = deque()
         self.reading = state == OPEN
         self.want_write = False
@@ -137,8 +88,9 @@ class Conn:
         self.last_rx = self.last_tx
         self.hello: tuple[int, ...] | None = None
         self.peer: tuple[str, int] | None = None
-        self._stage = bytearray(STAGE_SIZE)
-        self._smv = memoryview(self._stage)
+        # input staging, lent from the device's pool while staged bytes wait (_take_stage)
+        self._stage = _NO_STAGE
+        self._smv = memoryview(_NO_STAGE)
         self._rpos = 0
         self._wpos = 0
         self._sink: Sink | None = None
@@ -301,6 +253,8 @@ class Conn:
         self.out.clear()
         self._sink = None
         self._maps = None  # unmapped once no copy uses them
+        if not self._busy:
+            self._give_stage()
         self.engine.conns.discard(self)
         if self._sel_events:
             if self.driver is not None:
@@ -410,6 +364,8 @@ class Conn:
                 self._read_input(lock)
             finally:
                 self._busy = False
+                if self._rpos == self._wpos or self.state == CLOSED:
+                    self._give_stage()  # an idle connection holds no staging buffer
 
     def _read_input(self, lock: threading.Lock) -> None:
         """Lock held for the whole batch (one acquisition, not one per message), but
@@ -418,7 +374,6 @@ class Conn:
         if sock is None:
             return
         budget = READ_BUDGET
-        smv = self._smv
         self.last_rx = time.monotonic()
         self._short = False  # a short read drained the socket: stop rather than hit EAGAIN
         try:
@@ -426,7 +381,7 @@ class Conn:
                 sink = self._sink
                 if sink is not None:
                     if self._rpos < self._wpos:
-                        self._rpos += sink.feed(smv[self._rpos:self._wpos])
+                        self._rpos += sink.feed(self._smv[self._rpos:self._wpos])
                     elif sink.remaining >= DIRECT_MIN:
                         if budget <= 0 or self._short:
                             break
@@ -451,16 +406,9 @@ class Conn:
                         self._sink = None
                         self._finish(sink, lock)
                     continue
-                need = wire.HELLO.size if self.expect_hello else wire.HDR.size
-                if self._wpos - self._rpos >= need:
-                    if self.expect_hello:
-                        h = wire.HELLO.unpack_from(self._stage, self._rpos)
-                        self._rpos += need
-                        self.expect_hello = False
-                        self.engine.conn_hello(self, h)
-                        continue
+                if self._wpos - self._rpos >= _HDR_SIZE:
                     h = _HDR_UNPACK(self._stage, self._rpos)
-                    self._rpos += need
+                    self._rpos += _HDR_SIZE
                     owner = self.owner
                     if h[0] >= wire.OP_CMA_PROBE:
                         self._cma_control(h)
@@ -499,9 +447,31 @@ class Conn:
         if sink.on_done is not None:
             sink.on_done()
 
+    def _take_stage(self) -> None:
+        """Borrow a staging buffer from the device's pool (lock held)."""
+        pool = self.engine.stage_pool
+        self._stage = pool.pop() if pool else bytearray(STAGE_SIZE)
+        self._smv = memoryview(self._stage)
+        self._rpos = self._wpos = 0
+
+    def _give_stage(self) -> None:
+        """Return the staging buffer (nothing staged, or closed; lock held): an idle or
+        closed connection holds none."""
+        stage = self._stage
+        if stage is _NO_STAGE:
+            return
+        self._stage = _NO_STAGE
+        self._smv = memoryview(_NO_STAGE)
+        self._rpos = self._wpos = 0
+        pool = self.engine.stage_pool
+        if len(pool) < STAGE_POOL:
+            pool.append(stage)
+
     def _fill(self, sock: socket.socket) -> bool:
         """Read more into staging (lock held); False on EAGAIN. Raises OSError; handles
         EOF."""
+        if self._stage is _NO_STAGE:
+            self._take_stage()
         if self._rpos == self._wpos:
             self._rpos = self._wpos = 0
         elif STAGE_SIZE - self._wpos < DIRECT_MIN:

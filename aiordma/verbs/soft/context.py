@@ -92,6 +92,19 @@ class SoftContext(Context):
             f"to {ip} or 0.0.0.0",
         )
 
+    def peer_address_problem(self, gid: bytes, lid: int, seen_ip: str) -> str | None:
+        """The soft device connects to ``gid``/``lid`` itself: only where the peer is,
+        i.e. the GID's address is the setup connection's peer address, or both are
+        addresses of this host."""
+        try:
+            _family, (ip, _port) = addr.sockaddr_of(gid, lid)
+            if addr.same_host(ip, seen_ip):
+                return None
+        except ValueError as exc:
+            return f"bad soft device address: {exc}"
+        return (f"the peer's soft device address {ip} is not the address {seen_ip} its "
+                f"connection comes from")
+
     # --- factories ---------------------------------------------------------------------
     def alloc_pd(self) -> SoftPD:
         self._check_open()

@@ -15,12 +15,11 @@ run on the NIC thread with the lock held.
 
 from __future__ import annotations
 
-import errno
-import functools
 import heapq
 import itertools
 import logging
 import os
+import secrets
 import selectors
 import socket
 import threading
@@ -29,9 +28,12 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from ...errors import DeviceError, fd_limit_error
 from ..enums import QPState
-from . import addr, wire
-from .conn import CONNECTING, OPEN, Conn
+from . import addr
+from .admission import Admission, Listener
+from .conn import OPEN, Conn
+from .dial import tune
 from .keys import random_qpn
 from .mr import KeyTable
 
@@ -41,7 +43,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("aiordma.soft")
 
-HELLO_TIMEOUT_S = 10.0
 #: how often the NIC thread checks the channels in manual progress (cq.py): a channel
 #: whose sockets stay ready for two ticks without being polled is taken over
 WATCHDOG_S = 0.01
@@ -61,30 +62,6 @@ class _Wake:
         e._wake_pending = False
 
 
-class _Listener:
-    def __init__(self, engine: Engine, sock: socket.socket) -> None:
-        self.engine = engine
-        self.sock = sock
-
-    def on_event(self, mask: int) -> None:
-        e = self.engine
-        for _ in range(64):
-            try:
-                sock, peer = self.sock.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError:
-                return
-            sock.setblocking(False)
-            _tune(sock)
-            with e.lock:
-                conn = Conn(e, sock, None, expect_hello=True, state=OPEN)
-                conn.peer = peer[:2] if isinstance(peer, tuple) else ("unix", 0)
-                conn._update_sel()
-                e.call_at(time.monotonic() + HELLO_TIMEOUT_S, functools.partial(e._hello_timeout, conn))
-            conn.on_readable()  # the hello usually came with the connection: bind it now
-
-
 class _Takeover:
     """Selector entry of a manual-progress channel the NIC thread drives for now."""
 
@@ -93,21 +70,6 @@ class _Takeover:
 
     def on_event(self, mask: int) -> None:
         self.channel.progress()
-
-
-#: socket buffers of same-host (Unix) connections: a 1 MiB message in a few writes
-UNIX_SOCKBUF = 4 << 20
-
-
-def _tune(sock: socket.socket) -> None:
-    if sock.family in (socket.AF_INET, socket.AF_INET6):
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    elif sock.family == socket.AF_UNIX:
-        for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-            try:
-                sock.setsockopt(socket.SOL_SOCKET, opt, UNIX_SOCKBUF)
-            except OSError:  # pragma: no cover
-                pass
 
 
 class Engine:
@@ -119,37 +81,22 @@ class Engine:
         self.qps: dict[int, SoftQP] = {}
         self.conns: set[Conn] = set()
         self._held: dict[int, list[Conn]] = {}
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        ls = socket.socket(family, socket.SOCK_STREAM)
+        #: the key of QPs given none (QPAttr.auth_key): never leaves the process
+        self.secret = secrets.token_bytes(32)
+        self.limit_logged = False  # out of descriptors, logged (dial.py: once per burst)
+        #: input staging buffers lent to connections while they parse (conn.py)
+        self.stage_pool: list[bytearray] = []
+        self.admission = Admission(self)  # (reads its settings: DeviceError first)
+        opened: list[socket.socket | selectors.BaseSelector | int] = []
         try:
-            ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            ls.bind((host, port))
-            ls.listen(512)
-        except OSError as exc:
-            ls.close()
-            from ...errors import DeviceError
-
-            raise DeviceError(f"soft device cannot listen on {host}:{port}: {exc}") from exc
-        ls.setblocking(False)
-        self.listener = ls
-        self.host = host
-        self.port: int = ls.getsockname()[1]
-        self.unix_listener: socket.socket | None = None
-        if addr.unix_enabled():
-            us = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                us.bind(addr.unix_name(host, self.port))
-                us.listen(512)
-                us.setblocking(False)
-                self.unix_listener = us
-            except OSError as exc:  # e.g. a stale name: TCP only, which always works
-                log.debug("soft device: no same-host Unix socket: %s", exc)
-                us.close()
-        self.gids = addr.gid_table(host)
-        self.sel = selectors.DefaultSelector()
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
+            self._open_sockets(host, port, opened)
+        except BaseException:  # close what was made: a failed start leaks nothing
+            for obj in reversed(opened):
+                if isinstance(obj, int):
+                    os.close(obj)
+                else:
+                    obj.close()
+            raise
         self._wake_pending = False
         self._calls: deque[Callable[[], None]] = deque()
         self._timers: list[tuple[float, int, Callable[[], None]]] = []
@@ -159,14 +106,56 @@ class Engine:
         self._progress_channels: set[SoftCompChannel] = set()
         self._next_watch = 0.0
         self.sel.register(self._wake_r, selectors.EVENT_READ, _Wake(self))
-        self.sel.register(ls, selectors.EVENT_READ, _Listener(self, ls))
+        self.sel.register(self.listener, selectors.EVENT_READ,
+                          Listener(self.admission, self.listener))
         if self.unix_listener is not None:
             self.sel.register(self.unix_listener, selectors.EVENT_READ,
-                              _Listener(self, self.unix_listener))
+                              Listener(self.admission, self.unix_listener))
         self.refs = 0
         self._thread = threading.Thread(target=self._run, name="aiordma-soft0-nic", daemon=True)
         self._tid: int | None = None
         self._thread.start()
+
+    def _open_sockets(self, host: str, port: int,
+                      opened: list[socket.socket | selectors.BaseSelector | int]) -> None:
+        """The listeners, the selector and the wake-up pipe; each goes into ``opened``
+        as it is made. Raises DeviceError, or ResourceLimitError when out of
+        descriptors."""
+        try:
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            ls = socket.socket(family, socket.SOCK_STREAM)
+            opened.append(ls)
+            ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            ls.bind((host, port))
+            ls.listen(512)
+            ls.setblocking(False)
+            self.listener = ls
+            self.host = host
+            self.port: int = ls.getsockname()[1]
+            self.unix_listener: socket.socket | None = None
+            if addr.unix_enabled():
+                us = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                opened.append(us)
+                try:
+                    us.bind(addr.unix_name(host, self.port))
+                    us.listen(512)
+                    us.setblocking(False)
+                    self.unix_listener = us
+                except OSError as exc:  # e.g. a stale name: TCP only, which always works
+                    log.debug("soft device: no same-host Unix socket: %s", exc)
+                    us.close()
+            self.gids = addr.gid_table(host)
+            self.sel = selectors.DefaultSelector()
+            opened.append(self.sel)
+            self._wake_r, self._wake_w = os.pipe()
+            opened += [self._wake_r, self._wake_w]
+        except OSError as exc:
+            lim = fd_limit_error(exc, "the soft device cannot start")
+            if lim is not None:
+                raise lim from None
+            raise DeviceError(f"soft device cannot listen on {host}:{port}: {exc}") from exc
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
 
     # --- scheduling ---------------------------------------------------------------------
     def in_nic_thread(self) -> bool:
@@ -253,74 +242,17 @@ class Engine:
             pass
 
     # --- connections (NIC thread, lock held) ---------------------------------------------
-    def _connect_unix(self, ip: str, port: int) -> socket.socket | None:
-        """A connected Unix socket to the same-host device at ``ip:port``, or None."""
-        if self.unix_listener is None:
-            return None
-        for name in addr.unix_names_for(ip, port):
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            sock.setblocking(False)
-            try:
-                if sock.connect_ex(name) == 0:
-                    return sock
-            except OSError:
-                pass
-            sock.close()
-        return None
-
-    def start_connect(self, conn: Conn, gid: bytes, port: int) -> None:
-        if conn.state != CONNECTING:
-            return
-        try:
-            family, sa = addr.sockaddr_of(gid, port)
-        except (OSError, ValueError):
-            conn.fail()
-            return
-        usock = self._connect_unix(sa[0], sa[1])
-        if usock is not None:
-            _tune(usock)
-            conn.sock = usock
-            conn.peer = sa
-            conn.state = OPEN
-            conn.reading = True
-            conn.cma_start(after_hello=True)
-            conn._update_sel()
-            if conn.out:
-                conn._flush()
-            return
-        try:
-            sock = socket.socket(family, socket.SOCK_STREAM)
-        except OSError:
-            conn.fail()
-            return
-        sock.setblocking(False)
-        _tune(sock)
-        conn.sock = sock
-        conn.peer = sa
-        err = sock.connect_ex(sa)
-        if err == 0:
-            conn.state = OPEN
-            conn.reading = True
-            conn._update_sel()
-            if conn.out:
-                conn._flush()
-        elif err in (errno.EINPROGRESS, errno.EWOULDBLOCK, errno.EAGAIN, errno.EINTR):
-            conn._update_sel()
-        else:
-            conn.fail()
-
-    def conn_hello(self, conn: Conn, h: tuple[int, ...]) -> None:
-        magic, version, _src_port, src_qpn, dst_qpn, _src_gid = h
-        if magic != wire.MAGIC or version != wire.VERSION:
-            conn.shutdown(graceful=False)
-            return
+    def conn_hello(self, sock: socket.socket, peer: tuple[str, int], qp: SoftQP, src_qpn: int,
+                   dst_qpn: int) -> None:
+        """A connection whose HELLO passed (admission.py) becomes a ``Conn`` of ``qp``:
+        bound as its responder connection, or held until it reaches RTR. Lock held."""
+        tune(sock)
+        conn = Conn(self, sock, None, state=OPEN)
+        conn.peer = peer
         conn.hello = (src_qpn, dst_qpn)
-        qp = self.qps.get(dst_qpn)
-        if qp is None:
-            conn.shutdown(graceful=False)
-            return
+        conn._update_sel()
         st = qp._state
-        if st in (QPState.RESET, QPState.INIT):
+        if st == QPState.INIT:
             # requests from a peer that is ahead of us wait until we are RTR
             self._held.setdefault(dst_qpn, []).append(conn)
             conn.pause_reading()
@@ -344,10 +276,6 @@ class Engine:
 
     def drop_held(self, qpn: int) -> None:
         for conn in self._held.pop(qpn, []):
-            conn.shutdown(graceful=False)
-
-    def _hello_timeout(self, conn: Conn) -> None:
-        if conn.expect_hello and conn.state == OPEN:
             conn.shutdown(graceful=False)
 
     # --- the NIC thread ---------------------------------------------------------------------
@@ -413,6 +341,7 @@ class Engine:
                 conn._close_now()
             self.conns.clear()
             self._held.clear()
+            self.admission.close_all()
             self._calls.clear()
             self._timers.clear()
         try:
@@ -470,6 +399,7 @@ def _after_fork_in_child() -> None:
         return
     e.lock = threading.Lock()
     e._stopping = True
+    e.admission.close_all()
     socks = [c.sock for c in e.conns if c.sock is not None] + [e.listener]
     if e.unix_listener is not None:
         socks.append(e.unix_listener)

@@ -1,4 +1,4 @@
-"""Secrets of the soft device: memory keys, QP numbers, and the device's own secret.
+"""Unpredictable numbers of the soft device: memory keys and QP numbers.
 
 Memory keys. On hardware an rkey is a capability that a peer may try to guess; here
 each protection domain draws its keys from a :class:`KeyStream`: a secret-keyed

@@ -15,9 +15,10 @@ from ..contract import check_recv_wrs, check_send_wr
 from ..enums import WC_OPCODE_FOR_WR, QPState, SendFlags, WCStatus, WROpcode
 from ..wr import SGE, RecvWR, SendWR
 from . import limits, wire
-from .conn import Conn, Sink, discard
+from .conn import Conn
 from .qpcore import RWQE, SWQE
 from .responder import Responder
+from .sink import Sink, discard
 
 if TYPE_CHECKING:
     from .cq import SoftCQ
@@ -140,6 +141,11 @@ class SoftQP(Responder):
             if new == QPState.INIT:
                 if attr.port_num != 1:
                     raise RDMAError(errno.EINVAL, f"no port {attr.port_num} (soft0 has port 1)")
+                key = attr.auth_key
+                if key is not None and (not isinstance(key, bytes) or len(key) < 16):
+                    raise RDMAError(errno.EINVAL, "auth_key must be bytes, at least 16")
+                if cur == QPState.RESET or key is not None:
+                    self._auth_key = key if key is not None else engine.secret
                 self._access = attr.qp_access_flags
                 self._acc = int(attr.qp_access_flags)
                 self._state = QPState.INIT
@@ -155,7 +161,11 @@ class SoftQP(Responder):
                 self._epsn = attr.rq_psn & wire.PSN_MASK
                 self._min_rnr_timer = attr.min_rnr_timer
                 self._state = QPState.RTR
-                self._connect(lazy=True)
+                try:
+                    self._connect(lazy=True, at_rtr=True)
+                except RDMAError:
+                    self._state = cur  # a failed transition changes nothing
+                    raise
                 qpn = self.qp_num
                 engine.call_soon(lambda: engine.release_held(qpn))
             else:  # RTS
@@ -182,6 +192,8 @@ class SoftQP(Responder):
         self._ack_armed = False
         self._ack_pending = -1
         self._conn_wait = False
+        self._auth_key = None
+        self._hello_nonces.clear()
         self._state = QPState.RESET
 
     def post_send(self, wrs: list[SendWR]) -> None:

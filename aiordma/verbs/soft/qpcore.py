@@ -16,13 +16,16 @@ from ..wr import SGE, WC
 from . import wire
 
 _LOCAL_WRITE: Final = int(Access.LOCAL_WRITE)
+#: connections a QP admits in its life (each direction may reconnect a few times)
+MAX_HELLOS: Final = 16
 
 if TYPE_CHECKING:
-    from .conn import Conn, Sink
+    from .conn import Conn
     from .context import SoftContext
     from .cq import SoftCQ
     from .engine import Engine
     from .mr import SoftPD
+    from .sink import Sink
 
 
 class SWQE:
@@ -113,7 +116,10 @@ class QPCore(QP):
         self._timeout = 14
         self._retry_cnt = 7
         self._rnr_retry = 7
-        # connections
+        # connections: the key a peer device must prove (QPAttr.auth_key), the HELLO
+        # nonces already admitted (a replayed HELLO is refused)
+        self._auth_key: bytes | None = None
+        self._hello_nonces: set[bytes] = set()
         self._req_conn: Conn | None = None
         self._resp_conn: Conn | None = None
         # requester / responder progress state
@@ -134,6 +140,15 @@ class QPCore(QP):
         raise NotImplementedError
 
     # --- connections -------------------------------------------------------------------
+    def _admit_nonce(self, nonce: bytes) -> bool:
+        """True the first time a HELLO with ``nonce`` is admitted to this QP; False for a
+        replay, or once ``MAX_HELLOS`` were admitted (a pair needs two or three)."""
+        seen = self._hello_nonces
+        if nonce in seen or len(seen) >= MAX_HELLOS:
+            return False
+        seen.add(nonce)
+        return True
+
     def _peer_connects(self) -> bool:
         """Of a QP pair, the QP with the smaller (device port, QPN) opens the connection
         both use; the other one waits for it (wire: Connections)."""

@@ -11,11 +11,13 @@ import struct
 import time
 from typing import Final
 
+from ...errors import RDMAError
 from ..buffers import SharedMemory
 from ..enums import QPState, WCStatus
-from . import cma, wire
-from .conn import CLOSING, CONNECTING, OPEN, Conn, Sink, discard
+from . import cma, dial, wire
+from .conn import CLOSING, CONNECTING, OPEN, Conn
 from .qpcore import SWQE, QPCore, scatter
+from .sink import Sink, discard
 
 #: floor of the ACK timeout: a Python peer can stall this long (GC, GIL) and still be alive
 MIN_ACK_TIMEOUT_S: Final = 1.0
@@ -35,11 +37,20 @@ _NAK_STATUS: Final = {
 
 class Requester(QPCore):
     # --- connection ------------------------------------------------------------------------
-    def _connect(self, lazy: bool = False) -> Conn | None:
+    def _connect(self, lazy: bool = False, *, at_rtr: bool = False) -> Conn | None:
         """The requester connection to the peer QP: the peer's own connection to us when
-        it has one (one TCP stream then carries both directions), else a new one
-        (non-blocking, opened on the NIC thread). ``lazy`` (at RTR): None when the peer
-        is the one to connect -- the first request connects anyway if it has not."""
+        it has one (one TCP stream then carries both directions), else a new one (its
+        socket made and its non-blocking connect started here, registered on the NIC
+        thread). ``lazy``: None when the peer is the one to connect -- the first request
+        connects anyway if it has not.
+
+        ``at_rtr`` (``modify`` to RTR): a socket that cannot be made raises
+        ``ResourceLimitError`` (out of descriptors) or ``RDMAError``, and when the peer
+        is to connect, one descriptor is probed for (its connection will need one), so
+        that a QP that could not connect fails its transition rather than its first
+        request. Otherwise such a connection fails at once: the QP's requests complete
+        with RETRY_EXC_ERR.
+        """
         ah = self._ah
         assert ah is not None
         engine = self._engine
@@ -53,16 +64,26 @@ class Requester(QPCore):
                 c.cma_start()
                 return c
         if lazy and self._peer_connects():
+            if at_rtr:
+                dial.probe_descriptor(engine)
             return None
         gids = engine.gids
         sgid = gids[ah.sgid_index] if 0 <= ah.sgid_index < len(gids) else gids[0]
-        conn = Conn(engine, None, self, expect_hello=False, state=CONNECTING)
+        conn = Conn(engine, None, self, state=CONNECTING)
         ch = self.send_cq.channel
         if ch is not None and ch.manual:
             conn.driver = ch  # responses complete on the send CQ: its poller reads them
-        conn.send([wire.pack_hello(engine.port, self.qp_num, self._dest_qpn, sgid)])
-        dgid, dport = bytes(ah.dgid), ah.dlid
-        engine.call_soon(lambda: engine.start_connect(conn, dgid, dport))
+        conn.send([wire.pack_hello(engine.port, self.qp_num, self._dest_qpn, sgid,
+                                   self._auth_key or engine.secret)])
+        try:
+            opened = dial.open_socket(engine, bytes(ah.dgid), ah.dlid)
+        except RDMAError:
+            conn.fail()
+            if at_rtr:
+                raise
+            self._req_conn = conn
+            return conn
+        engine.call_soon(lambda: dial.start_connect(engine, conn, *opened))
         self._req_conn = conn
         return conn
 

@@ -22,9 +22,10 @@ from typing import Final
 
 from ..enums import Access, EventType, QPState, WCOpcode, WCStatus
 from . import cma, wire
-from .conn import CLOSING, Conn, Sink, discard
+from .conn import CLOSING, Conn
 from .qpcore import scatter
 from .requester import Requester
+from .sink import Sink, discard
 
 _M64: Final = 0xFFFFFFFFFFFFFFFF
 

@@ -15,9 +15,17 @@ answers on the connection its requests came from.
 The first bytes of a connection, from the side that opened it, are a ``HELLO``::
 
     magic "AIOSOFT1" | u16 version | u16 src_port | u32 src_qpn | u32 dst_qpn | 16s src_gid
+    | 16s nonce | 16s mac
 
-The accepting device binds the connection to QP ``dst_qpn`` only if that QP exists, is
-(or becomes) RTR/RTS and its ``dest_qp_num`` is ``src_qpn``; otherwise it closes it.
+``mac`` is the first 16 bytes of HMAC-SHA256(key, "aiordma-soft-hello" | every field
+before it), ``key`` being the secret both QPs of the pair were given (``QPAttr.auth_key``:
+the aiordma handshake derives a fresh one per connection; without one, the device's
+own secret, which never leaves the process). The accepting device (admission.py)
+binds the connection to QP ``dst_qpn`` only if that QP exists, has a key, the MAC is
+right for it, the nonce was not seen before on that QP, and the QP is (or becomes)
+RTR/RTS with ``dest_qp_num`` = ``src_qpn``; otherwise it closes the connection without
+a byte of answer, the same way whatever the reason. Nothing is allocated for a
+connection before its HELLO passes.
 
 Acknowledgements are coalesced: one ACK per batch of input. When the application's
 event loop reads the input (manual progress, cq.py) the ACK waits until the loop has
@@ -67,13 +75,20 @@ go-back-N from p, and the responder drops everything until p arrives again.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import secrets
 import struct
 from typing import Final
 
 MAGIC: Final = b"AIOSOFT1"
-VERSION: Final = 2  # 2: the CMA probe and address-carrying READ/WRITE requests (cma.py)
+VERSION: Final = 3  # 3: the authenticated HELLO; 2: the CMA probe (cma.py)
 
-HELLO: Final = struct.Struct("<8sHHII16s")
+HELLO: Final = struct.Struct("<8sHHII16s16s16s")
+#: what the HELLO's MAC covers: every field before it
+_HELLO_SIGNED: Final = struct.Struct("<8sHHII16s16s")
+_HELLO_LABEL: Final = b"aiordma-soft-hello"
+MAC_SIZE: Final = 16
 HDR: Final = struct.Struct("<BBHIIIIIQQQ")
 
 # requests
@@ -132,8 +147,18 @@ def psn_before(a: int, b: int) -> bool:
     return 0 < d < 0x800000
 
 
-def pack_hello(src_port: int, src_qpn: int, dst_qpn: int, src_gid: bytes) -> bytes:
-    return HELLO.pack(MAGIC, VERSION, src_port, src_qpn, dst_qpn, src_gid)
+def hello_mac(key: bytes, magic: bytes, version: int, src_port: int, src_qpn: int,
+              dst_qpn: int, src_gid: bytes, nonce: bytes) -> bytes:
+    """The MAC of a HELLO with these fields under ``key``."""
+    signed = _HELLO_SIGNED.pack(magic, version, src_port, src_qpn, dst_qpn, src_gid, nonce)
+    return hmac.new(key, _HELLO_LABEL + signed, hashlib.sha256).digest()[:MAC_SIZE]
+
+
+def pack_hello(src_port: int, src_qpn: int, dst_qpn: int, src_gid: bytes, key: bytes) -> bytes:
+    """A HELLO from QP ``src_qpn`` to ``dst_qpn``, with a fresh nonce, signed with ``key``."""
+    nonce = secrets.token_bytes(16)
+    mac = hello_mac(key, MAGIC, VERSION, src_port, src_qpn, dst_qpn, src_gid, nonce)
+    return HELLO.pack(MAGIC, VERSION, src_port, src_qpn, dst_qpn, src_gid, nonce, mac)
 
 
 def pack(op: int, psn: int, length: int = 0, *, flags: int = 0, aux: int = 0, imm: int = 0,
