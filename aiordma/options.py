@@ -23,7 +23,8 @@ class EndpointOptions:
     * ``max_message_size``: largest message ``send``/``recv`` accept (default 256 MiB).
     * ``signal_interval``: at most this many unsignaled sends in a row.
     * ``signal_bytes``: at most this many bytes posted unsignaled in a row (a batch of
-      large READs/WRITEs then reports each operation as it finishes, see aiordma.sendq).
+      large READs/WRITEs then reports each operation as it finishes, see
+      aiordma.protocol.sendq).
     * ``repost_batch``: consumed receive buffers are re-posted this many at a time (one
       post for all; fewer when ``recv_depth`` is small, see protocol.credits rule 6).
     * ``inline_threshold``: frames up to this size are posted inline (device limit too).

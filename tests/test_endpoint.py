@@ -325,7 +325,7 @@ async def test_a_batch_of_large_writes_signals_each(opts: dict, signal_bytes: in
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """Writes posted together as one batch: each of at least ``signal_bytes`` is
     signaled (its task resumes when it is done, not when the whole batch is), and with
-    a larger ``signal_bytes`` only the batch's last one is (aiordma.sendq)."""
+    a larger ``signal_bytes`` only the batch's last one is (aiordma.protocol.sendq)."""
     size = 64 * 1024
     async with pair(opts, signal_bytes=signal_bytes) as (ep, q):
         srv = await server_ep(q)

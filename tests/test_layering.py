@@ -17,19 +17,20 @@ LAYERS: dict[str, int] = {
     "protocol": 1,
     "memory": 2,
     "options": 2,
-    "sendq": 2,
     "acceptor": 2,
     "cq_reactor": 3,
     "device": 4,
-    "endpoint": 5,
-    "connection": 6,
-    "listener": 6,
-    "transport": 7,
-    "rdma_transport": 7,
-    "streams": 8,
-    "__init__": 9,
-    "__main__": 10,
-    "bench": 10,
+    "resources": 5,
+    "lifecycle": 5,
+    "endpoint": 6,
+    "connection": 7,
+    "listener": 7,
+    "transport": 8,
+    "rdma_transport": 8,
+    "streams": 9,
+    "__init__": 10,
+    "__main__": 11,
+    "bench": 11,
 }
 
 
@@ -107,7 +108,7 @@ def test_no_provider_imports_above_verbs() -> None:
 
 
 def test_asyncio_only_above_the_reactor() -> None:
-    low = ("errors", "verbs", "protocol", "memory", "options", "sendq")
+    low = ("errors", "verbs", "protocol", "memory", "options")
     bad = [f"{f}:{line}" for f in _files() if _module_key(f) in low
            for t, line in _imports(f) if t == "asyncio"]
     assert not bad, "event-loop code below cq_reactor: " + ", ".join(bad)

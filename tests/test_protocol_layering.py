@@ -9,7 +9,8 @@ from pathlib import Path
 import aiordma.protocol
 
 ALLOWED = {"__future__", "struct", "enum", "dataclasses", "errno", "typing", "aiordma.errors",
-           "hashlib", "hmac", "secrets"}  # (auth.py: pure computation, no I/O)
+           "hashlib", "hmac", "secrets",  # (auth.py: pure computation, no I/O)
+           "collections", "collections.abc", "itertools"}
 PACKAGE = Path(aiordma.protocol.__file__).parent
 
 

@@ -101,6 +101,10 @@ class SendQueue:
                 break
         return out
 
+    def entries(self) -> deque[tuple[int, Any]]:
+        """The posted entries, oldest first (a view: do not change it)."""
+        return self._q
+
     def drain(self) -> list[tuple[int, Any]]:
         """Remove and return every entry (teardown after the QP is destroyed)."""
         out = list(self._q)
