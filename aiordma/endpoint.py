@@ -44,7 +44,7 @@ from .protocol.handshake import Hello
 from .protocol.ops import ATOMIC, DATA, IMM, READ, RNDV, RX_DATA, RX_EOF, WRITE, Op, Rx
 from .protocol.state import Local, Remote
 from .resources import Resources
-from .verbs import WC, Access, AsyncEvent, EventType, SendWR, WROpcode
+from .verbs import Access, AsyncEvent, EventType, SendWR, WROpcode
 
 _REMOTE_READ: Final = int(Access.REMOTE_READ)
 _MASK64: Final = (1 << 64) - 1
@@ -68,8 +68,7 @@ class Endpoint:
         self.provider = device.provider
         self.device_name = device.name
         self._device = device
-        res = self._res = Resources(device, opts, loop, self._on_send_wc, self._on_recv_wc,
-                                    auth_key)
+        res = self._res = Resources(device, opts, loop, auth_key)
         self._reactor = res.reactor
         self._regions = res.regions
         self._engine = MessageEngine(
@@ -79,7 +78,8 @@ class Endpoint:
             signal_interval=opts.signal_interval, signal_bytes=opts.signal_bytes,
             repost_batch=opts.repost_batch, rndv_prefetch=opts.rndv_prefetch,
             busy_ahead=min(opts.rndv_prefetch, _BUSY_READ_AHEAD))
-        self._life = res.hooks = Lifecycle(self, loop, self._engine, res, opts.close_timeout)
+        self._life = Lifecycle(self, loop, self._engine, res, opts.close_timeout)
+        res.bind(self._engine.tx.on_wc, self._engine.rx.on_wc, self._life)
         self.qp_num = res.qp.qp_num
         device.watch_qp(self.qp_num, self._on_async_event, loop)
         self._psn = secrets.randbelow(1 << 24)  # unpredictable, as a NIC's initial PSN
@@ -561,13 +561,7 @@ class Endpoint:
                 tx.kick()
             raise
 
-    # ---------------------------------------------------------------- completions
-    def _on_send_wc(self, wc: WC, _arg: Any) -> None:
-        self._engine.tx.on_completion(wc.wr_id, wc.status, wc)
-
-    def _on_recv_wc(self, wc: WC, slot: int) -> None:
-        self._engine.rx.on_completion(slot, wc)
-
+    # ---------------------------------------------------------------- device events
     def _on_async_event(self, ev: AsyncEvent) -> None:
         """A fatal async event for our QP (or the whole port/device) kills the connection."""
         if ev.event_type in (EventType.COMM_EST, EventType.SQ_DRAINED,

@@ -274,7 +274,7 @@ class Lifecycle:
             self._engine.drain_for_teardown()
             rx = self._engine.rx
             if rx.posted:  # not flushed: their completions must find no handler
-                self._res.reactor.unregister_owner(self._ep)
+                self._res.reactor.unregister_owner(rx)
                 rx.posted = 0
             self._res.destroy()
         finally:

@@ -16,6 +16,7 @@ reference.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final, cast
@@ -57,21 +58,24 @@ def _consume_exception(fut: asyncio.Future[Any]) -> None:
 
 
 class Resources:
-    """The verbs objects of one endpoint (module doc). ``on_send``/``on_recv`` are the
-    completion handlers the reactor calls for its work requests.
+    """The verbs objects of one endpoint (module doc); ``bind`` before posting.
 
     Raises what the device raises while the resources are made (RDMAError,
     ResourceLimitError, ...), after destroying what was made and releasing ``device``.
     """
 
+    # released by destroy (deleted: held no more; also tells what was made at all)
+    __deletable__ = ("qp", "staging_out", "staging_in", "spool", "rpool", "pd")
+
     def __init__(self, device: Device, opts: EndpointOptions, loop: asyncio.AbstractEventLoop,
-                 on_send: Callable[[WC, Any], None], on_recv: Callable[[WC, int], None],
                  auth_key: bytes | None) -> None:
         self.device = device
         self.loop = loop
-        self._on_send = on_send
-        self._on_recv = on_recv
-        self._destroyed = False
+        #: the completion handlers of our send and receive work requests (``bind``)
+        self._on_send: Callable[[WC, Any], None]
+        self._on_recv: Callable[[WC, int], None]
+        self.new_send_id: Callable[[], int]  # (the engine port's: bound in ``bind``)
+        self.destroyed = False  # (the engine port's flag)
         self.staging_registered = 0  # registrations by staging caches already closed
         self.hooks: Lifecycle  # the endpoint's lifecycle (set once it is made)
         ctx = device.ctx
@@ -115,6 +119,15 @@ class Resources:
         self.frame_wrs = [SendWR(0, _SEND, [SGE(sp.addr(i), 0, sp.lkey)], 0)
                           for i in range(sp.count)]
 
+    def bind(self, on_send: Callable[[WC, Any], None], on_recv: Callable[[WC, int], None],
+             hooks: Lifecycle) -> None:
+        """The handlers the reactor calls for our work requests' completions, and the
+        endpoint's lifecycle (the engine's lifecycle hooks go there)."""
+        self._on_send = on_send
+        self._on_recv = on_recv
+        self.hooks = hooks
+        self.new_send_id = functools.partial(self.reactor.register, on_send, None)
+
     # ---------------------------------------------------------------- connecting
     def connect(self, gid: bytes, lid: int, qp_num: int, psn: int, mtu: int, gid_index: int,
                 our_psn: int) -> None:
@@ -128,9 +141,6 @@ class Resources:
                               rnr_retry=7, max_rd_atomic=16))
 
     # ---------------------------------------------------------------- engine port: posting
-    def new_send_id(self) -> int:
-        return self.reactor.register(self._on_send, None)
-
     def drop_send_id(self, wr_id: int) -> None:
         self.reactor.unregister(wr_id)
 
@@ -168,9 +178,6 @@ class Resources:
             self.qp.modify(QPAttr(QPState.ERR))
         except RDMAError:
             pass
-
-    def destroyed(self) -> bool:
-        return self._destroyed
 
     # ---------------------------------------------------------------- engine port: the loop
     def later(self, fn: Callable[[], None]) -> None:
@@ -239,9 +246,9 @@ class Resources:
 
     def destroy(self) -> None:
         """Destroy every resource made (idempotent), then release the device."""
-        if self._destroyed:
+        if self.destroyed:
             return
-        self._destroyed = True
+        self.destroyed = True
         if hasattr(self, "qp"):
             self.device.unwatch_qp(self.qp.qp_num)
         if hasattr(self, "regions"):

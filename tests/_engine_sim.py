@@ -90,6 +90,7 @@ class Port:
         self.markers: list[int] = []
         self.fail_next_post: BaseException | None = None
         self.staged: list[Any] = []
+        self.destroyed = False
 
     # posting
     def new_send_id(self) -> int:
@@ -157,9 +158,6 @@ class Port:
     # lifecycle
     def qp_to_error(self) -> None:
         self.errors_qp += 1
-
-    def destroyed(self) -> bool:
-        return False
 
     def on_failed(self, exc: BaseException, unexpected: bool) -> None:
         self.failed.append(exc)

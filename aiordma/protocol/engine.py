@@ -48,8 +48,9 @@ class EnginePort(Protocol):
     """What the engine asks of its driver. Every method runs synchronously; none may
     call back into the engine except where noted."""
 
-    def new_send_id(self) -> int:
-        """A wr_id for a send WR, larger than every earlier one of this QP."""
+    #: a wr_id for a send WR, larger than every earlier one of this QP (an attribute:
+    #: the driver may bind it to its wr_id allocator, one call less per WR)
+    new_send_id: Callable[[], int]
 
     def drop_send_id(self, wr_id: int) -> None:
         """``wr_id`` will never complete (not posted, or retired by a later one)."""
@@ -99,8 +100,8 @@ class EnginePort(Protocol):
     def qp_to_error(self) -> None:
         """Move the QP to ERR (ignore a failure to)."""
 
-    def destroyed(self) -> bool:
-        """True once the endpoint's resources are destroyed (nothing may be posted)."""
+    #: True once the endpoint's resources are destroyed (nothing may be posted)
+    destroyed: bool
 
     def on_failed(self, exc: BaseException, unexpected: bool) -> None:
         """The connection just failed with ``exc`` (after every waiter was failed);
@@ -149,10 +150,10 @@ class MessageEngine:
 
     # ---------------------------------------------------------------- events
     def on_send_completion(self, wc: Any) -> None:
-        self.tx.on_completion(wc.wr_id, wc.status, wc)
+        self.tx.on_wc(wc)
 
     def on_recv_completion(self, wc: Any, slot: int) -> None:
-        self.rx.on_completion(slot, wc)
+        self.rx.on_wc(wc, slot)
 
     def shut_wr(self) -> None:
         """No more data from us (``send_eof``/``close`` began); our CLOSE follows."""

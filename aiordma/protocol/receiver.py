@@ -72,7 +72,7 @@ class Receiver:
     def repost(self, slot: int) -> None:
         """Give a consumed receive buffer back to the peer (one more credit owed)."""
         e = self.e
-        if e.state.failed or e.port.destroyed():
+        if e.state.failed or e.port.destroyed:
             self.rpool.release(slot)
             return
         q = self._repost_q
@@ -86,7 +86,7 @@ class Receiver:
             return
         self._repost_q = []
         e = self.e
-        if e.state.failed or e.port.destroyed():
+        if e.state.failed or e.port.destroyed:
             for slot in slots:
                 self.rpool.release(slot)
             return
@@ -102,8 +102,9 @@ class Receiver:
                 e.tx.kick()
 
     # ---------------------------------------------------------------- completions
-    def on_completion(self, slot: int, wc: Any) -> None:
-        """The receive completion ``wc`` of buffer ``slot``."""
+    def on_wc(self, wc: Any, slot: int) -> None:
+        """The receive completion ``wc`` of buffer ``slot``: the reactor's handler of
+        every receive work request."""
         e = self.e
         e.tx.in_tick = False
         self.posted -= 1

@@ -309,9 +309,10 @@ class Sender:
             pass
 
     # ---------------------------------------------------------------- completions
-    def on_completion(self, wr_id: int, status: int, wc: Any) -> None:
-        """A send completion (``wc``: the provider's, for errors and opcodes)."""
-        entries = self.sq.complete(wr_id)
+    def on_wc(self, wc: Any, _arg: Any = None) -> None:
+        """A send completion (the provider's ``WC``): the reactor's handler of every
+        send work request."""
+        entries = self.sq.complete(wc.wr_id)
         if not entries:
             self.in_tick = False
             return

@@ -126,46 +126,33 @@ class ConnectionState:
     """Where one endpoint's connection stands. Sans-IO: ``handle`` every frame sent or
     received (before sending, after parsing), every shutdown request and failure."""
 
-    __slots__ = ("_local", "_remote", "_failed", "_poisoned", "_final")
+    __slots__ = ("local", "remote", "failed", "final", "_poisoned")
 
     def __init__(self) -> None:
-        self._local = Local.OPEN
-        self._remote = Remote.OPEN
-        self._failed = False
+        #: our side (read-only: only ``handle`` changes these; plain attributes, not
+        #: properties, because the data path reads them for every message)
+        self.local = Local.OPEN
+        #: the peer's side
+        self.remote = Remote.OPEN
+        #: FAIL was handled (or an illegal event poisoned the machine): the connection
+        #: is over, nothing more is posted -- also after a clean close, which ends with
+        #: FAIL too (``state`` then still says CLOSED)
+        self.failed = False
+        #: CLOSE was handled: after our CLOSE frame nothing more is sent
+        self.final = False
         self._poisoned = False
-        self._final = False
-
-    @property
-    def local(self) -> Local:
-        return self._local
-
-    @property
-    def remote(self) -> Remote:
-        return self._remote
-
-    @property
-    def failed(self) -> bool:
-        """True once FAIL was handled (or an illegal event poisoned the machine): the
-        connection is over, nothing more is posted -- also after a clean close, which
-        ends with FAIL too (``state`` then still says CLOSED)."""
-        return self._failed
-
-    @property
-    def final(self) -> bool:
-        """True once CLOSE was handled: after our CLOSE frame nothing more is sent."""
-        return self._final
 
     @property
     def state(self) -> State:
         """Both halves summarized in the classic five states."""
         if self._poisoned:
             return State.FAILED
-        sent = self._local is Local.CLOSE_SENT
-        if sent and self._remote is not Remote.OPEN:
+        sent = self.local is Local.CLOSE_SENT
+        if sent and self.remote is not Remote.OPEN:
             return State.CLOSED
-        if self._failed:
+        if self.failed:
             return State.FAILED
-        if self._remote is Remote.OPEN:
+        if self.remote is Remote.OPEN:
             return State.LOCAL_CLOSING if sent else State.OPEN
         return State.REMOTE_CLOSED
 
@@ -173,28 +160,28 @@ class ConnectionState:
         """Apply ``event``; return the summary state. Raises ``LocalProtocolError`` /
         ``RemoteProtocolError`` for an illegal event, after moving to FAILED."""
         if event is Event.FAIL:
-            self._failed = True
+            self.failed = True
             return self.state
-        if not self._failed:
+        if not self.failed:
             if event in _LOCAL_EVENTS:
-                nxt_local = LOCAL[self._local].get(event)
+                nxt_local = LOCAL[self.local].get(event)
                 if nxt_local is not None and not (event in _NEEDS_PEER
-                                                  and self._remote is Remote.GONE):
-                    self._local = nxt_local
+                                                  and self.remote is Remote.GONE):
+                    self.local = nxt_local
                     if event is Event.CLOSE:
-                        self._final = True
+                        self.final = True
                     return self.state
             else:
-                nxt_remote = REMOTE[self._remote].get(event)
+                nxt_remote = REMOTE[self.remote].get(event)
                 if nxt_remote is not None:
-                    self._remote = nxt_remote
+                    self.remote = nxt_remote
                     return self.state
         prev = self.state
-        self._failed = self._poisoned = True
+        self.failed = self._poisoned = True
         who = LocalProtocolError if event in _LOCAL_EVENTS else RemoteProtocolError
-        if event in _NEEDS_PEER and self._remote is Remote.GONE and prev is not State.FAILED:
+        if event in _NEEDS_PEER and self.remote is Remote.GONE and prev is not State.FAILED:
             why = "after the peer went away"
-        elif event is Event.SEND_DATA and self._local is Local.DRAINING and prev is not State.FAILED:
+        elif event is Event.SEND_DATA and self.local is Local.DRAINING and prev is not State.FAILED:
             why = "after shutting down (send_eof or close)"
         else:
             why = _WHY.get(prev, "in state " + prev.name)
@@ -203,12 +190,12 @@ class ConnectionState:
     @property
     def can_send(self) -> bool:
         """True if DATA may still be sent (our side OPEN, the peer not GONE)."""
-        return not self._failed and self._local is Local.OPEN and self._remote is not Remote.GONE
+        return not self.failed and self.local is Local.OPEN and self.remote is not Remote.GONE
 
     @property
     def can_receive(self) -> bool:
         """True if DATA (and the peer's CLOSE) may still arrive."""
-        return not self._failed and self._remote is Remote.OPEN
+        return not self.failed and self.remote is Remote.OPEN
 
     @property
     def closed(self) -> bool:
@@ -217,5 +204,5 @@ class ConnectionState:
         return s is State.CLOSED or s is State.FAILED
 
     def __repr__(self) -> str:
-        extra = "" if self._failed else f" local={self._local.name} remote={self._remote.name}"
+        extra = "" if self.failed else f" local={self.local.name} remote={self.remote.name}"
         return f"<ConnectionState {self.state.name}{extra}>"
