@@ -11,7 +11,7 @@ _NATIVE_SO = $(wildcard aiordma/*.so aiordma/*/*.so aiordma/*/*/*.so)
 
 $(VENV)/.stamp: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q --upgrade pip 'setuptools>=77'
 	$(PY) -m pip install -q -e '.[test]'
 	touch $@
 
@@ -32,7 +32,7 @@ test-fast: setup
 test: test-fast test-native test-rxe test-rxe-compat
 
 lint: setup
-	$(PY) -m ruff check aiordma tests examples benchmarks
+	$(PY) -m ruff check aiordma tests examples
 	$(PY) -m mypy
 
 clean: clean-native

@@ -49,10 +49,13 @@ from .common import (
     Result,
     fmt_size,
     parse_sizes,
+    primary,
     test_timeout,
 )
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: the directory that holds the ``aiordma`` package (a checkout or site-packages): the
+#: worker processes import this same copy of it
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -164,10 +167,10 @@ def run_pair(transport: str, cfg: Config) -> tuple[list[Result], dict[str, Any]]
 
 
 def _run_pair_once(transport: str, cfg: Config) -> tuple[list[Result], dict[str, Any]]:
-    cmd = [sys.executable, "-m", "benchmarks.worker"]
+    cmd = [sys.executable, "-m", "aiordma.bench.worker"]
     n_tests = len(cfg.items()) - cfg.skip
     budget = n_tests * test_timeout(cfg) + 60
-    server = subprocess.Popen([*cmd, "server", transport, cfg.to_json()], cwd=ROOT, env=_env(),
+    server = subprocess.Popen([*cmd, "server", transport, cfg.to_json()], env=_env(),
                               stdout=subprocess.PIPE, text=True)
     results: list[Result] = []
     stats: dict[str, Any] = {}
@@ -177,7 +180,7 @@ def _run_pair_once(transport: str, cfg: Config) -> tuple[list[Result], dict[str,
         if not ready.startswith("READY "):
             raise RuntimeError(f"{transport} server did not start: {ready!r}")
         info = ready[len("READY "):].strip()
-        client = subprocess.Popen([*cmd, "client", transport, cfg.to_json(), info], cwd=ROOT,
+        client = subprocess.Popen([*cmd, "client", transport, cfg.to_json(), info],
                                   env=_env(), stdout=subprocess.PIPE, text=True)
         assert client.stdout is not None
         deadline = time.monotonic() + budget
@@ -294,15 +297,6 @@ def median_of_rounds(rounds: list[list[Result]]) -> list[Result]:
 
 
 # ======================================================================= ratios & table
-def primary(r: Result) -> float | None:
-    """The figure a test is judged by: median round trip (lat), GB/s (bw), msgs/s (rate)."""
-    if r.test in LAT_TESTS:
-        return r.lat_median_us
-    if r.test in BW_TESTS or r.test == "memcpy":
-        return r.gbps
-    return r.msgs_per_s
-
-
 def add_ratios(results: list[Result]) -> None:
     """For each aiordma result, ratios to the baselines of the same test and size:
     ``lat`` (median, lower is better), ``gbps``, ``rate`` (higher is better), ``cpu``
@@ -455,55 +449,6 @@ def machine() -> str:
             f"Python {platform.python_version()}")
 
 
-# ======================================================================= plot
-def plot(results: list[Result], path: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise SystemExit("bench: --plot needs matplotlib (pip install 'aiordma[plot]')") from None
-    tests = [t for t in (*LAT_TESTS, *BW_TESTS, "msg_rate")
-             if any(r.test == t and r.error is None for r in results)]
-    if not tests:
-        _log("bench: nothing to plot")
-        return
-    cols = min(4, len(tests))
-    rows = (len(tests) + cols - 1) // cols
-    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False)
-    for ax, test in zip((a for row in axes for a in row), tests, strict=False):
-        by_tr: dict[str, list[tuple[int, float]]] = {}
-        for r in results:
-            v = primary(r)
-            if r.test == test and r.error is None and v:
-                by_tr.setdefault(r.transport, []).append((r.size, v))
-        if test in BW_TESTS:
-            for r in results:
-                if r.transport == "memcpy" and r.gbps:
-                    by_tr.setdefault("memcpy", []).append((r.size, r.gbps))
-        for tr, pts in sorted(by_tr.items(), key=lambda kv: kv[0] != "aiordma"):
-            pts.sort()
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o" if len(pts) > 1 else "s",
-                    label=tr, linewidth=2.5 if tr == "aiordma" else 1.2,
-                    linestyle="--" if tr == "memcpy" else "-")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_title(test)
-        ax.set_xlabel("message size (bytes)")
-        ax.set_ylabel("round trip (us)" if test in LAT_TESTS else
-                      "GB/s" if test in BW_TESTS else "msgs/s")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
-    for ax in list(a for row in axes for a in row)[len(tests):]:
-        ax.axis("off")
-    fig.suptitle(f"aiordma bench: {machine()}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    _log(f"bench: plot written to {path}")
-
-
 # ======================================================================= main
 def main(argv: list[str] | None = None) -> int:
     a = _parser().parse_args(argv)
@@ -572,5 +517,8 @@ def main(argv: list[str] | None = None) -> int:
         for r in results:
             print(json.dumps(r.to_dict()), flush=True)
     if a.plot:
-        plot(results, a.plot)
+        from .plot import plot
+
+        plot(results, a.plot, f"aiordma bench: {machine()}")
+        _log(f"bench: plot written to {a.plot}")
     return 1 if any(r.error for r in results) else 0
