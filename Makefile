@@ -7,7 +7,7 @@ COUNT ?= 200
 
 _NATIVE_SO = $(wildcard aiordma/*.so aiordma/*/*.so aiordma/*/*/*.so)
 
-.PHONY: native native-prereqs clean-native test-native setup echo test test-fast test-rxe test-rxe-all test-rxe-bookworm test-rxe-compat lint bench bench-rxe clean
+.PHONY: native native-prereqs clean-native test-native test-wheel setup echo test test-fast test-rxe test-rxe-all test-rxe-bookworm test-rxe-compat lint bench bench-rxe clean
 
 $(VENV)/.stamp: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,9 +27,9 @@ test-fast: setup
 	AIORDMA_PROVIDER=soft $(PY) -m pytest -q
 
 ## The test command (README, .ci/run): the fast tier, the fast tier again on the native
-## (mypyc) build, then the same suite on real verbs
+## (mypyc) build, the package as a user installs it, then the same suite on real verbs
 ## (rdma_rxe) inside the Soft-RoCE VM: forky (pyverbs 65), then the compat run on bookworm (44).
-test: test-fast test-native test-rxe test-rxe-compat
+test: test-fast test-native test-wheel test-rxe test-rxe-compat
 
 lint: setup
 	$(PY) -m ruff check aiordma tests examples
@@ -70,6 +70,22 @@ test-native: setup native-prereqs
 	cd $(NATIVE_TREE) && AIORDMA_PROVIDER=soft AIORDMA_EXPECT_BUILD=mypyc \
 		$(abspath $(PY)) -m pytest -q -p no:cacheprovider -m "not lint"
 
+## The package as a user gets it: build the sdist and, from it, the wheel (build/dist),
+## install the wheel alone into a fresh venv (build/wheel-venv, no index, no checkout on
+## its path), then, from an empty directory, check what it installed and run the
+## examples, the README's quick start, aiordma doctor and a short aiordma bench with it
+## (tests/wheel_check.py).
+DIST := build/dist
+WHEEL_VENV := build/wheel-venv
+test-wheel: setup
+	rm -rf $(DIST) $(WHEEL_VENV) && mkdir -p $(DIST)
+	$(PY) -m build --outdir $(DIST) . >build/dist.log 2>&1 || { tail -30 build/dist.log; exit 1; }
+	$(PYTHON) -m venv $(WHEEL_VENV)
+	$(WHEEL_VENV)/bin/python -m pip install -q --no-index $(DIST)/aiordma-*.whl
+	d=$$(mktemp -d) && cd "$$d" && env -u PYTHONPATH AIORDMA_PROVIDER=soft \
+		$(abspath $(WHEEL_VENV))/bin/python $(CURDIR)/tests/wheel_check.py $(abspath $(DIST)) $(CURDIR); \
+		rc=$$?; rm -rf "$$d"; exit $$rc
+
 ## Soft-RoCE VM tier (tests/rxe/README.md): the suite on real verbs (rdma_rxe) in a
 ## throw-away Debian VM under qemu. forky: rdma-core/pyverbs 65; bookworm: 44.
 # The provider-parametrised suite (the provider-independent tests ran in the fast tier):
@@ -109,7 +125,7 @@ test-rxe-compat:
 	AIORDMA_RXE_SUITE=bookworm bash tests/rxe/run-vm.sh -- $(RXE_PYTEST) $(RXE_UVLOOP) \
 		$(RXE_COMPAT_TESTS)
 
-## Benchmarks (README, "Benchmarks"): aiordma on the soft provider side by side with
+## Benchmarks (docs/benchmarks.md): aiordma on the soft provider side by side with
 ## asyncio TCP/Unix sockets and a memcpy ceiling, measured in the same run; a short set.
 ## More: python -m aiordma bench --help (e.g. BENCH_ARGS="--sizes 8-16M --plot bench.png").
 BENCH_ARGS ?= --tests send_lat,write_lat,read_lat,send_bw,write_bw,msg_rate,reactor \

@@ -694,9 +694,8 @@ class Endpoint:
             fut = self._start_rndv_read(rx, span)
             # While it lands in the caller's buffer, read the next few messages (up to
             # min(rndv_prefetch, 4 MiB)) into staging, so the READs overlap the
-            # application's work instead of one READ per receive call. (Measured, soft
-            # with CMA, send_bw 1 MiB, 4 same-run pairs: 2.2-3.0 GB/s without, 3.2-4.4
-            # with; the next receive copies from staging at memcpy speed.)
+            # application's work instead of one READ per receive call (the next
+            # receive copies from staging at memcpy speed).
             self._read_ahead(self._busy_ahead)
             await _uncancelled(fut)
         return rx.staging
@@ -1464,7 +1463,7 @@ class Endpoint:
         """The QP is in ERR. Unsignaled WRs after the last signaled one (frames nobody
         waits for) may have finished without a completion: a signaled zero-length SEND
         posted now is flushed after every one of them, so its completion retires them
-        and the drain waits for exactly that (RELIABILITY.md: the marker WR)."""
+        and the drain waits for exactly that (docs/reliability.md: the marker WR)."""
         sq = self._sq
         if not sq.used or sq.awaited or not sq.room:
             return

@@ -92,6 +92,9 @@ def _parser() -> argparse.ArgumentParser:
                         "report the median round of each figure (a noisy machine)")
     p.add_argument("--json", action="store_true",
                    help="one JSON object per result on stdout (the table goes to stderr)")
+    p.add_argument("--save", metavar="FILE.json", default=None,
+                   help="write the results document (date, machine, commit, results) that "
+                        "python -m aiordma.bench.report renders")
     p.add_argument("--plot", metavar="FILE.png", default=None,
                    help="plot every test against size (needs matplotlib: aiordma[plot])")
     return p
@@ -468,6 +471,10 @@ def main(argv: list[str] | None = None) -> int:
                 check(b, cfg)
             except BaselineUnavailable as exc:
                 raise SystemExit(f"bench: baseline {b!r} is unavailable here: {exc}") from None
+    if a.save:
+        from .report import commit_of
+
+        commit = commit_of(ROOT)
     _log(f"bench: {machine()}; loop {cfg.loop}; tests {','.join(cfg.tests)}; sizes "
          f"{','.join(fmt_size(s) for s in cfg.sizes)}; baselines {','.join(baselines) or 'none'}")
     results: list[Result] = []
@@ -516,6 +523,16 @@ def main(argv: list[str] | None = None) -> int:
     if a.json:
         for r in results:
             print(json.dumps(r.to_dict()), flush=True)
+    if a.save:
+        from .report import document
+
+        doc = document(results, machine=machine(), build=native.build(), loop=cfg.loop,
+                       provider=cfg.provider, poll_mode=cfg.poll_mode,
+                       command=sys.argv[2:] if argv is None else list(argv), commit=commit)
+        with open(a.save, "w") as f:
+            json.dump(doc, f, indent=1)
+            f.write("\n")
+        _log(f"bench: results document written to {a.save}")
     if a.plot:
         from .plot import plot
 
