@@ -7,7 +7,7 @@ COUNT ?= 200
 
 _NATIVE_SO = $(wildcard aiordma/*.so aiordma/*/*.so aiordma/*/*/*.so)
 
-.PHONY: native native-prereqs clean-native test-native test-wheel setup echo test test-fast test-rxe test-rxe-all test-rxe-bookworm test-rxe-compat lint bench bench-rxe clean
+.PHONY: native native-prereqs clean-native test-native test-wheel results setup echo test test-fast test-rxe test-rxe-all test-rxe-bookworm test-rxe-compat lint bench bench-rxe clean
 
 $(VENV)/.stamp: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -132,6 +132,15 @@ BENCH_ARGS ?= --tests send_lat,write_lat,read_lat,send_bw,write_bw,msg_rate,reac
 	--sizes 64,4K,1M --iters 1000 --max-seconds 2 --baselines tcp-proto,unix-proto,memcpy
 bench: setup
 	AIORDMA_PROVIDER=soft $(PY) -m aiordma bench $(BENCH_ARGS)
+
+## The current results of README.md and docs/benchmarks.md: run the bench, keep its
+## document and plot under docs/results/, and rewrite both tables from the document.
+RESULTS_ARGS ?= --provider soft --tests send_lat,write_lat,read_lat,atomic_lat,send_bw,write_bw,msg_rate \
+	--sizes 64,4K,1M --iters 1000 --max-seconds 2 --rounds 3 --baselines tcp-proto,unix-proto,memcpy
+results: setup
+	$(PY) -m pip install -q -e '.[test,plot]'
+	$(PY) -m aiordma bench $(RESULTS_ARGS) --save docs/results/current.json --plot docs/results/current.png
+	$(PY) -m aiordma.bench.report docs/results/current.json --update README.md docs/benchmarks.md
 
 ## The same harness on real verbs in the Soft-RoCE VM: aiordma's `verbs` provider against
 ## a synchronous busy-polling pyverbs program and perftest (ib_send_lat, ib_write_bw)

@@ -150,7 +150,8 @@ def ptrace() -> Finding:
         return Finding("ok", f"cross-memory attach between processes: allowed ({scope})")
     return Finding("warn", f"cross-memory attach between processes: denied ({scope}): the "
                            "soft provider copies large transfers through its socket instead "
-                           "(slower); sysctl kernel.yama.ptrace_scope=0 or 1 allows it")
+                           "(slower); sysctl kernel.yama.ptrace_scope=0 allows it (1 allows "
+                           "it only towards child processes)")
 
 
 async def _ping_pong(provider: str, dev: str, host: str) -> str:
