@@ -80,6 +80,7 @@ WHEEL_VENV := build/wheel-venv
 test-wheel: setup
 	rm -rf $(DIST) $(WHEEL_VENV) && mkdir -p $(DIST)
 	$(PY) -m build --outdir $(DIST) . >build/dist.log 2>&1 || { tail -30 build/dist.log; exit 1; }
+	@! grep -i 'license.*deprecated' build/dist.log || { echo "test-wheel: the license metadata is deprecated"; exit 1; }
 	$(PYTHON) -m venv $(WHEEL_VENV)
 	$(WHEEL_VENV)/bin/python -m pip install -q --no-index $(DIST)/aiordma-*.whl
 	d=$$(mktemp -d) && cd "$$d" && env -u PYTHONPATH AIORDMA_PROVIDER=soft \

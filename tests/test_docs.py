@@ -14,6 +14,7 @@ import sys
 
 import pytest
 from _procs import HOST, proc_env
+from _readme import section_code
 
 from aiordma.bench.report import rendered_blocks
 from aiordma.options import EndpointOptions
@@ -23,11 +24,6 @@ README = (ROOT / "README.md").read_text()
 DOCS = {p.name: p.read_text() for p in (ROOT / "docs").glob("*.md")}
 #: the hook's bar for the manual's length
 MAX_README_LINES = 320
-
-
-def python_blocks(text: str) -> list[str]:
-    """The ```python blocks of a Markdown text, in order."""
-    return re.findall(r"^```python\n(.*?)^```$", text, re.M | re.S)
 
 
 def _run_block(code: str, provider: str, tmp_path: pathlib.Path) -> str:
@@ -43,8 +39,7 @@ def _run_block(code: str, provider: str, tmp_path: pathlib.Path) -> str:
 
 @pytest.mark.timeout(150)
 def test_the_quick_start_runs_as_written(provider_name: str, tmp_path: pathlib.Path) -> None:
-    quick = README.split("## Quick start", 1)[1]
-    code = python_blocks(quick)[0]
+    code = section_code(README, "Quick start")
     assert "ep.write(" in code and "ep.read(" in code and "fetch_add" in code
     assert "compare_swap" in code
     assert _run_block(code, provider_name, tmp_path) == "b'hello'\n0\n5\n"
@@ -52,8 +47,8 @@ def test_the_quick_start_runs_as_written(provider_name: str, tmp_path: pathlib.P
 
 @pytest.mark.timeout(150)
 def test_the_streams_example_runs_as_written(provider_name: str, tmp_path: pathlib.Path) -> None:
-    streams = README.split("## asyncio Protocols and streams", 1)[1]
-    assert _run_block(python_blocks(streams)[0], provider_name, tmp_path) == "b'HELLO\\n'\n"
+    code = section_code(README, "asyncio Protocols and streams")
+    assert _run_block(code, provider_name, tmp_path) == "b'HELLO\\n'\n"
 
 
 def test_the_readme_is_a_manual_not_a_notebook() -> None:

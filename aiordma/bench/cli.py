@@ -22,6 +22,7 @@ and ``--max-seconds`` per test; every wait has a timeout.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -58,6 +59,9 @@ from .common import (
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+DEFAULT_LOOP = "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio"
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m aiordma bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -78,8 +82,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-bytes", default="512M", help="data bound of each test")
     p.add_argument("--provider", default=None, help="aiordma provider (soft|verbs)")
     p.add_argument("--device", default=None, help="aiordma device name")
-    p.add_argument("--loop", choices=["asyncio", "uvloop"], default="uvloop",
-                   help="event loop of every process, baselines included")
+    p.add_argument("--loop", choices=["asyncio", "uvloop"], default=DEFAULT_LOOP,
+                   help="event loop of every process, baselines included (default: uvloop "
+                        "when it is installed, else asyncio)")
     p.add_argument("--poll-mode", choices=["blocking", "hybrid", "polling"], default=None)
     p.add_argument("--spin-us", type=int, default=None)
     p.add_argument("--baselines", default=",".join(DEFAULT_BASELINES),
@@ -108,6 +113,9 @@ def config_from_args(a: argparse.Namespace) -> Config:
     if bad:
         raise SystemExit(f"bench: unknown test(s) {', '.join(bad)}; choose from "
                          f"{', '.join(ALL_TESTS)}")
+    if a.loop == "uvloop" and importlib.util.find_spec("uvloop") is None:
+        raise SystemExit("bench: --loop uvloop needs the uvloop package "
+                         "(pip install 'aiordma[uvloop]')")
     sizes = parse_sizes(a.sizes)
     if not sizes:
         raise SystemExit("bench: --sizes is empty")
