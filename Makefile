@@ -93,9 +93,9 @@ test-wheel: setup
 # the verbs layer, endpoints, EOF/close and the multi-process tests on both loops; the
 # layers above the endpoint (Transports/Protocols, streams, the examples as separate
 # processes, one device shared by loops in threads, the aiordma command, the README's
-# code) on uvloop only -- they use nothing
-# of the provider but the endpoint, and the fast tiers run them on both loops. (Both
-# loops everywhere took 12 min of CI's ~31 on a slow host; `make test-rxe-all` runs it.)
+# code) on uvloop only -- they use nothing of the provider but the endpoint, and the
+# fast tiers run them on both loops. (Both loops everywhere took 12 min of CI's ~31 on a
+# slow host; `make test-rxe-all` runs it.)
 RXE_TESTS ?= tests/test_verbs_provider.py tests/test_ibverbs_compat.py tests/test_endpoint.py \
 	tests/test_endpoint_eof.py tests/test_multiprocess.py
 RXE_TESTS_ONE_LOOP ?= tests/test_rdma_transport.py tests/test_streams.py \
