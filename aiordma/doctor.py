@@ -83,9 +83,11 @@ def providers(only: str | None = None) -> tuple[list[Finding], list[str]]:
 
 
 def gid_text(gid: bytes) -> str:
-    """``gid`` as an IPv6 address, with the IPv4 address of an IPv4-mapped GID."""
+    """``gid`` as an IPv6 address; an IPv4-mapped one as ``::ffff:A.B.C.D (A.B.C.D)``
+    (Python's own spelling of those changed in 3.13)."""
     addr = ipaddress.IPv6Address(gid)
-    return f"{addr} ({addr.ipv4_mapped})" if addr.ipv4_mapped else str(addr)
+    v4 = addr.ipv4_mapped
+    return f"::ffff:{v4} ({v4})" if v4 else str(addr)
 
 
 def device(info: DeviceInfo) -> tuple[list[Finding], str | None]:

@@ -71,7 +71,7 @@ def test_verdict() -> None:
 
 
 def test_gid_text() -> None:
-    assert gid_text(bytes(10) + b"\xff\xff" + bytes([10, 0, 2, 15])) == "::ffff:a00:20f (10.0.2.15)"
+    assert gid_text(bytes(10) + b"\xff\xff" + bytes([10, 0, 2, 15])) == "::ffff:10.0.2.15 (10.0.2.15)"
     assert gid_text(b"\xfe\x80" + bytes(13) + b"\x01") == "fe80::1"
 
 
