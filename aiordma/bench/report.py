@@ -92,7 +92,8 @@ def render(doc: dict[str, Any]) -> list[str]:
     lines = [f"Measured {doc['date'][:10]} on {doc['machine']}; commit "
              f"`{doc['commit'] or 'unknown'}`, {doc['build']} build, {doc['loop']}, "
              f"provider {doc['provider']}, poll mode {doc['poll_mode']}; `aiordma bench "
-             f"{' '.join(doc['command'])}`.", "",
+             f"{' '.join(doc['command'])}`. Ratio = aiordma / baseline: lower is better for "
+             "latency (`*_lat`), higher for bandwidth and rate.", "",
              "| " + " | ".join(head) + " |",
              "|" + "|".join(["---"] * 2 + ["---:"] * (len(head) - 2)) + "|"]
     for r in results:
