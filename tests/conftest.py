@@ -51,6 +51,16 @@ def provider_name() -> str:
 
 _PYTEST_ASYNCIO = tuple(int(p) for p in re.findall(r"\d+", pytest_asyncio.__version__)[:2])
 
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    """pyproject sets ``asyncio_default_fixture_loop_scope`` for pytest-asyncio >= 0.24
+    (which warns when it is unset); older ones (Debian bookworm's 0.20) do not declare
+    it, and pytest would warn "Unknown config option": declare it for them (it changes
+    nothing there)."""
+    if _PYTEST_ASYNCIO < (0, 24):  # pragma: no cover - older pytest-asyncio
+        parser.addini("asyncio_default_fixture_loop_scope",
+                      "pytest-asyncio >= 0.24's option; this pytest-asyncio ignores it")
+
 try:  # pytest-asyncio >= 1.3: loop factories parametrise only the async tests
     from pytest_asyncio.plugin import PytestAsyncioSpecs  # noqa: F401
 

@@ -831,7 +831,7 @@ async def test_soak_random_sizes_and_cancellations(opts: dict) -> None:
 
 
 async def test_soak_parallel_connections_send_cancellations_and_aborts(opts: dict) -> None:
-    """RELIABILITY.md's soak: four connections at once, random sizes (eager, BATCH,
+    """docs/reliability.md's soak: four connections at once, random sizes (eager, BATCH,
     rendezvous), random send cancellations, two connections aborted midway (one by each
     side). On every connection the receiver gets, in order and once each, a subsequence
     of what was attempted that holds every send that returned; the survivors get their

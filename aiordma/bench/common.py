@@ -28,7 +28,7 @@ BW_TESTS = ("send_bw", "write_bw", "read_bw")
 ALL_TESTS = (*LAT_TESTS, *BW_TESTS, "msg_rate", "reactor")
 TWO_PROCESS_TESTS = (*LAT_TESTS, *BW_TESTS, "msg_rate")
 
-#: which socket pattern mirrors each test (see benchmarks/sockets.py):
+#: which socket pattern mirrors each test (see aiordma/bench/sockets.py):
 #: echo = request of `size`, reply of `size`; ack = `size` then a 1-byte reply;
 #: fetch = 1-byte request, reply of `size`; sink = one-way stream of `size` messages;
 #: source = 1-byte requests (window W in flight), `size`-byte replies.
@@ -185,6 +185,15 @@ class Result:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def primary(r: Result) -> float | None:
+    """The figure a test is judged by: median round trip (lat), GB/s (bw), msgs/s (rate)."""
+    if r.test in LAT_TESTS:
+        return r.lat_median_us
+    if r.test in BW_TESTS or r.test == "memcpy":
+        return r.gbps
+    return r.msgs_per_s
 
 
 def lat_stats(samples_ns: list[int]) -> dict[str, float]:
