@@ -7,6 +7,8 @@ COUNT ?= 200
 
 _NATIVE_SO = $(wildcard aiordma/*.so aiordma/*/*.so aiordma/*/*/*.so)
 
+
+.PHONY: bench-cost
 .PHONY: native native-prereqs clean-native test-native test-wheel results setup echo test test-fast test-rxe test-rxe-all test-rxe-bookworm test-rxe-compat lint bench bench-rxe clean
 
 $(VENV)/.stamp: pyproject.toml
@@ -135,6 +137,13 @@ BENCH_ARGS ?= --tests send_lat,write_lat,read_lat,send_bw,write_bw,msg_rate,reac
 	--sizes 64,4K,1M --iters 1000 --max-seconds 2 --baselines tcp-proto,unix-proto,memcpy
 bench: setup
 	AIORDMA_PROVIDER=soft $(PY) -m aiordma bench $(BENCH_ARGS)
+
+## What a 64 B round trip costs the client: user-space instructions (callgrind) and
+## Python calls, aiordma on soft against uvloop TCP (installs valgrind where missing).
+bench-cost: setup
+	@command -v valgrind >/dev/null 2>&1 || { SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq valgrind; }
+	AIORDMA_PROVIDER=soft $(PY) -m aiordma bench --tests cost --baselines none
 
 ## The current results of README.md and docs/benchmarks.md: run the bench, keep its
 ## document and plot under docs/results/, and rewrite both tables from the document.

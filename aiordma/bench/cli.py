@@ -40,6 +40,7 @@ from .common import (
     BW_TESTS,
     DEFAULT_BASELINES,
     DEFAULT_SIZES,
+    DEFAULT_TESTS,
     EXTERNAL_BASELINES,
     LAT_TESTS,
     LOCAL_BASELINES,
@@ -65,8 +66,9 @@ DEFAULT_LOOP = "uvloop" if importlib.util.find_spec("uvloop") is not None else "
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m aiordma bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tests", default=",".join(ALL_TESTS),
-                   help=f"comma-separated subset of: {', '.join(ALL_TESTS)}")
+    p.add_argument("--tests", default=",".join(DEFAULT_TESTS),
+                   help=f"comma-separated subset of: {', '.join(ALL_TESTS)} (default: all "
+                        "but cost)")
     p.add_argument("--sizes", default=DEFAULT_SIZES,
                    help="message sizes, e.g. 8,64,4K,1M or a power-of-two range 8-16M "
                         f"(default {DEFAULT_SIZES})")
@@ -377,7 +379,7 @@ def format_table(results: list[Result], cfg: Config, baselines: list[str]) -> st
                                           tr_order.get(r.transport, 99)))
     prev = None
     for r in rows:
-        if r.test == "reactor":
+        if r.test in ("reactor", "cost"):
             continue
         if prev is not None and (r.test, r.size) != prev:
             w("")
@@ -401,7 +403,7 @@ def format_table(results: list[Result], cfg: Config, baselines: list[str]) -> st
           f"{_f(r.lat_min_us if lat else None):>8s} {_f(gb, '.3f'):>8s} "
           f"{_rate(r.msgs_per_s):>8s} {_f(r.cpu_us_per_op):>8s}  {ratio}")
     # summary: the primary figure of each transport and the aiordma ratios
-    aio = [r for r in rows if r.transport == "aiordma" and r.error is None]
+    aio = [r for r in rows if r.transport == "aiordma" and r.error is None and r.test != "cost"]
     if aio:
         socks = [b for b in baselines if b in SOCKET_BASELINES or b in EXTERNAL_BASELINES]
         w("")
@@ -428,6 +430,11 @@ def format_table(results: list[Result], cfg: Config, baselines: list[str]) -> st
                 m = r.ratios.get("memcpy")
                 line += f"  {m['gbps'] * 100:6.1f}%" if m else "       -"
             w(line)
+    cost = [r for r in results if r.test == "cost"]
+    if cost:
+        from .cost import format_rows
+
+        lines.extend(format_rows(cost))
     reactor = [r for r in results if r.test == "reactor"]
     if reactor:
         w("")
@@ -492,6 +499,11 @@ def main(argv: list[str] | None = None) -> int:
 
         _log("bench: reactor micro-benchmark")
         results += reactor_bench(cfg)
+    if "cost" in cfg.tests and not a.no_aiordma:
+        from .cost import bench as cost_bench
+
+        _log("bench: cost per round trip (callgrind; minutes)")
+        results += cost_bench(cfg)
     two = [t for t in cfg.tests if t in TWO_PROCESS_TESTS]
     if two:
         transports = ([] if a.no_aiordma else ["aiordma"]) + [
