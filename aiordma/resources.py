@@ -88,6 +88,7 @@ class Resources:
         except BaseException:
             device.release()  # the caller's reference: nothing else was made yet
             raise
+        device.holders.add(self)  # destroyed at exit if still alive
         # One work request moves at most the port's max_msg_sz (rxe on 6.1: 8 MiB):
         # longer READs/WRITEs are posted as several, in order (see wr_chunks).
         self.max_wr = min(opts.max_wr_size or self.port.max_msg_sz, self.port.max_msg_sz)
@@ -249,6 +250,7 @@ class Resources:
         if self.destroyed:
             return
         self.destroyed = True
+        self.device.holders.discard(self)
         if hasattr(self, "qp"):
             self.device.unwatch_qp(self.qp.qp_num)
         if hasattr(self, "regions"):
