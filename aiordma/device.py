@@ -48,8 +48,10 @@ class Device:
         self._async_loop: asyncio.AbstractEventLoop | None = None
         self.async_events = 0
         #: what endpoints hold of this device (``resources.Resources``, with a
-        #: ``destroy()``): destroyed at exit if still alive (``_quiesce_at_exit``)
-        self.holders: weakref.WeakSet[Any] = weakref.WeakSet()
+        #: ``destroy()`` that removes it): destroyed at exit if still alive
+        #: (``_quiesce_at_exit``). Held strongly: an endpoint's posted receives keep it
+        #: alive anyway until its QP is destroyed (the reactor holds their handlers).
+        self.holders: set[Any] = set()
         _open_devices.add(self)
 
     @classmethod
