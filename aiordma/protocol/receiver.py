@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Any, Final
 
 from aiordma.errors import RDMAError, completion_error
 
+from aiordma.verbs.wr import WC
+
 from .errors import RemoteProtocolError
 from .framing import FrameType, batch_records, parse_frame
 from .ops import RNDV_READ, RX_DATA, RX_EOF, RX_RNDV, Op, Rx, Waiter, wake
@@ -102,7 +104,7 @@ class Receiver:
                 e.tx.kick()
 
     # ---------------------------------------------------------------- completions
-    def on_wc(self, wc: Any, slot: int) -> None:
+    def on_wc(self, wc: WC, slot: int) -> None:
         """The receive completion ``wc`` of buffer ``slot``: the reactor's handler of
         every receive work request."""
         e = self.e
