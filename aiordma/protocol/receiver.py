@@ -20,7 +20,6 @@ from collections import deque
 from typing import TYPE_CHECKING, Any, Final
 
 from aiordma.errors import RDMAError, completion_error
-
 from aiordma.verbs.wr import WC
 
 from .errors import RemoteProtocolError

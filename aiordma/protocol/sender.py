@@ -29,6 +29,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final
 
 from aiordma.errors import RDMAError, completion_error
+from aiordma.verbs.wr import WC, SendWR
 
 from .framing import (
     BATCH_RECORD,
@@ -41,8 +42,6 @@ from .framing import (
     write_rndv,
     write_rndv_done,
 )
-from aiordma.verbs.wr import WC, SendWR
-
 from .ops import ATOMIC, BATCH, CTRL, DATA, IMM, RNDV, Op
 from .sendq import SendQueue
 from .state import Local, Remote
