@@ -340,8 +340,9 @@ class Endpoint:
                                rq_psn=peer.psn, max_dest_rd_atomic=16, min_rnr_timer=12,
                                ah_attr=AHAttr(dgid=peer.gid, dlid=peer.lid,
                                               sgid_index=self._gid_index, port_num=1)))
-        self._qp.modify(QPAttr(QPState.RTS, sq_psn=self._psn, timeout=14, retry_cnt=7,
-                               rnr_retry=7, max_rd_atomic=16))
+        self._qp.modify(QPAttr(QPState.RTS, sq_psn=self._psn,
+                               timeout=self._opts.qp_timeout(self.provider),
+                               retry_cnt=self._opts.retry_cnt, rnr_retry=7, max_rd_atomic=16))
         self._credits = CreditState(peer.recv_credits, self._recv_depth,
                                     repost_batch=self._opts.repost_batch)
         self._repost_batch = self._credits.repost_batch
