@@ -7,7 +7,7 @@ COUNT ?= 200
 
 _NATIVE_SO = $(wildcard aiordma/*.so aiordma/*/*.so aiordma/*/*/*.so)
 
-.PHONY: native native-prereqs clean-native test-native setup echo test test-fast test-rxe test-rxe-all test-rxe-bookworm test-rxe-compat lint bench bench-rxe clean
+.PHONY: native native-prereqs clean-native test-native setup echo test test-fast test-net net-prereqs test-rxe test-rxe-all test-rxe-bookworm test-rxe-compat lint bench bench-rxe clean
 
 $(VENV)/.stamp: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,14 +22,29 @@ echo: setup
 	AIORDMA_PROVIDER=soft $(PY) examples/echo_pair.py --count $(COUNT) --size $(SIZES)
 
 ## Fast tier: unit, sans-IO and provider-parametrised tests on `soft`, both loops,
-## plus mypy and ruff.
+## plus mypy and ruff (the two-host tests are test-net's).
 test-fast: setup
-	AIORDMA_PROVIDER=soft $(PY) -m pytest -q
+	AIORDMA_PROVIDER=soft $(PY) -m pytest -q -m "not netns"
 
-## The test command (README, .ci/run): the fast tier, the fast tier again on the native
-## (mypyc) build, then the same suite on real verbs
+## Two hosts on this machine (network namespaces joined by a veth pair, root): `soft`
+## over TCP between them, the endpoint API, traffic under loss/delay/reordering/
+## duplication, and the faults a network has (link down, total loss, paused, killed
+## and vanished peers), with the figures they measured printed at the end.
+test-net: setup net-prereqs
+	AIORDMA_PROVIDER=soft $(PY) -m pytest -q -rs -m netns
+
+# iproute2 (ip netns) and iptables, installed with apt-get when missing (as root).
+net-prereqs:
+	@if ! command -v ip >/dev/null 2>&1 || ! command -v iptables >/dev/null 2>&1; then \
+		command -v apt-get >/dev/null 2>&1 || { echo "make test-net: needs iproute2 and iptables"; exit 1; }; \
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq iproute2 iptables; \
+	fi
+
+## The test command (README, .ci/run): the fast tier, the two-host tier, the fast tier
+## again on the native (mypyc) build, then the same suite on real verbs
 ## (rdma_rxe) inside the Soft-RoCE VM: forky (pyverbs 65), then the compat run on bookworm (44).
-test: test-fast test-native test-rxe test-rxe-compat
+test: test-fast test-net test-native test-rxe test-rxe-compat
 
 lint: setup
 	$(PY) -m ruff check aiordma tests examples benchmarks
@@ -68,7 +83,7 @@ test-native: setup native-prereqs
 		| tar -xf - -C $(NATIVE_TREE)
 	cd $(NATIVE_TREE) && $(BUILD_NATIVE) >build.log 2>&1 || { tail -50 build.log; exit 1; }
 	cd $(NATIVE_TREE) && AIORDMA_PROVIDER=soft AIORDMA_EXPECT_BUILD=mypyc \
-		$(abspath $(PY)) -m pytest -q -p no:cacheprovider -m "not lint"
+		$(abspath $(PY)) -m pytest -q -p no:cacheprovider -m "not lint and not netns"
 
 ## Soft-RoCE VM tier (tests/rxe/README.md): the suite on real verbs (rdma_rxe) in a
 ## throw-away Debian VM under qemu. forky: rdma-core/pyverbs 65; bookworm: 44.

@@ -34,6 +34,7 @@ import struct
 from collections.abc import Callable
 from typing import Any, Final
 
+from . import liveness
 from .cq_reactor import CQReactor
 from .device import Device
 from .errors import (
@@ -41,6 +42,7 @@ from .errors import (
     ConnectionClosed,
     FlushedError,
     MessageTooLarge,
+    PeerUnresponsive,
     RDMAError,
     RetryExceededError,
     RNRRetryExceededError,
@@ -73,6 +75,7 @@ from .protocol.framing import (
     write_rndv_done,
 )
 from .protocol.handshake import Hello
+from .protocol.heartbeat import HANDSHAKE_FLAG_LIVENESS
 from .sendq import SendQueue
 from .verbs import (
     MTU,
@@ -266,6 +269,8 @@ class Endpoint:
         self._regions = RegionTable()
         self._credits: CreditState | None = None
         self._batching = False  # the peer accepts BATCH frames (handshake flag)
+        self._peer_heartbeat = False  # the peer answers heartbeat PINGs (handshake flag)
+        self._heartbeat: liveness.Heartbeat | None = None
         self._ctrlq: collections.deque[_Op] = collections.deque()
         self._oneq: collections.deque[_Op] = collections.deque()
         self._sendq: collections.deque[_Op] = collections.deque()
@@ -324,7 +329,8 @@ class Endpoint:
         return Hello(qp_num=self.qp_num, psn=self._psn, gid=gid, lid=self._port.lid,
                      mtu=int(self._port.active_mtu), recv_credits=self._recv_depth,
                      eager_size=self._eager, max_message_size=self.max_message_size,
-                     provider=self.provider, flags=HANDSHAKE_FLAG_BATCH)
+                     provider=self.provider,
+                     flags=HANDSHAKE_FLAG_BATCH | HANDSHAKE_FLAG_LIVENESS)
 
     def establish(self, peer: Hello) -> None:
         """Move the QP to RTS towards ``peer``. Raises RDMAError on failure."""
@@ -335,6 +341,7 @@ class Endpoint:
         self.max_message_size = min(self.max_message_size, peer.max_message_size)
         self.peer_qp_num = peer.qp_num
         self._batching = bool(peer.flags & HANDSHAKE_FLAG_BATCH)
+        self._peer_heartbeat = bool(peer.flags & HANDSHAKE_FLAG_LIVENESS)
         mtu = MTU(min(peer.mtu, int(self._port.active_mtu)))
         self._qp.modify(QPAttr(QPState.RTR, path_mtu=mtu, dest_qp_num=peer.qp_num,
                                rq_psn=peer.psn, max_dest_rd_atomic=16, min_rnr_timer=12,
@@ -347,19 +354,26 @@ class Endpoint:
                                     repost_batch=self._opts.repost_batch)
         self._repost_batch = self._credits.repost_batch
 
-    def start(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """Begin watching the out-of-band TCP connection: its EOF means the peer is gone."""
+    def start(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *,
+              accepting: bool = False) -> None:
+        """Begin watching the out-of-band TCP connection (``liveness``): its EOF means the
+        peer is gone, the heartbeat finds a peer frozen or cut off. ``accepting``: this
+        side is the listener's."""
         self._control = writer
         self.local_address = writer.get_extra_info("sockname")
         self.peer_address = writer.get_extra_info("peername")
-        self._watch_task = self._loop.create_task(self._watch_control(reader))
+        hb = self._heartbeat = liveness.heartbeat_for(
+            self._opts, peer_answers=self._peer_heartbeat, accepting=accepting,
+            now=self._loop.time())
+        self._watch_task = self._loop.create_task(self._watch_control(reader, writer, hb))
 
-    async def _watch_control(self, reader: asyncio.StreamReader) -> None:
+    async def _watch_control(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                             hb: liveness.Heartbeat | None) -> None:
         try:
-            while await reader.read(4096):
-                pass  # nothing is sent on it after the handshake; ignore stray bytes
-        except (ConnectionError, OSError):
-            pass
+            await liveness.watch(reader, writer, hb)
+        except (PeerUnresponsive, RemoteProtocolError) as exc:
+            self._fail(exc)
+            return
         except asyncio.CancelledError:
             return
         if self._failed or self._done.done():
@@ -463,6 +477,7 @@ class Endpoint:
             "staging_registrations": registered,
             "work_requests_posted": self.work_requests_posted,
             "reactor": self._reactor.statistics(),
+            "heartbeat": liveness.statistics(self._heartbeat),
         }
 
     # ---------------------------------------------------------------- memory

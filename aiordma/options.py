@@ -57,6 +57,12 @@ class EndpointOptions:
       ``retry_cnt + 1`` tries in a row without progress fail the connection with
       ``RetryExceededError`` (IBV_WC_RETRY_EXC_ERR). ``None``: the provider's default
       (``DEFAULT_ACK_TIMEOUT``; docs/networks.md says how they were chosen).
+    * ``liveness_timeout``: seconds without an answer from the peer's event loop (a
+      heartbeat on the setup connection, every quarter of it) after which the endpoint
+      fails with ``PeerUnresponsive``: a peer frozen, or cut off, is found
+      ``liveness_timeout * 3/4`` to ``liveness_timeout`` after it went silent. Default
+      8 s: a 3 s pause of the peer passes, a silent peer is found within 8 s. None:
+      this side never gives up on the peer (it still answers the peer's heartbeat).
     """
 
     provider: str | None = None
@@ -81,6 +87,7 @@ class EndpointOptions:
     max_wr_size: int | None = None
     ack_timeout: int | None = None
     retry_cnt: int = 7
+    liveness_timeout: float | None = 8.0
 
     @classmethod
     def from_kwargs(cls, opts: dict[str, Any]) -> EndpointOptions:
@@ -121,6 +128,8 @@ class EndpointOptions:
             raise ValueError("ack_timeout must be in [0, 31] (0: wait forever)")
         if not 0 <= self.retry_cnt <= 7:
             raise ValueError("retry_cnt must be in [0, 7]")
+        if self.liveness_timeout is not None and not self.liveness_timeout > 0:
+            raise ValueError("liveness_timeout must be positive, or None (never)")
         if self.rndv_prefetch < 0:
             raise ValueError("rndv_prefetch must be >= 0")
         self.secret = check_secret(self.secret)

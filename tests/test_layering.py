@@ -21,6 +21,7 @@ LAYERS: dict[str, int] = {
     "acceptor": 2,
     "cq_reactor": 3,
     "device": 4,
+    "liveness": 4,
     "endpoint": 5,
     "connection": 6,
     "listener": 6,
