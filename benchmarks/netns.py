@@ -34,6 +34,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any, Final
 
@@ -259,8 +260,20 @@ class NetPair:
         _sh(["ip", "-n", self.ns["a"], "link", "set", self.dev["a"], "down"])
 
     def link_up(self) -> None:
+        """Carrier back on both ends (waited for, at most ``CMD_TIMEOUT_S``), and the
+        neighbour entries that failed while it was down forgotten (a FAILED entry
+        answers EHOSTUNREACH until it ages out)."""
         for s in ("a", "b"):
             _sh(["ip", "-n", self.ns[s], "link", "set", self.dev[s], "up"], check=False)
+        deadline = time.monotonic() + CMD_TIMEOUT_S
+        while time.monotonic() < deadline:
+            states = [_sh(["ip", "-n", self.ns[s], "link", "show", self.dev[s]],
+                          check=False).stdout for s in ("a", "b")]
+            if all("LOWER_UP" in st for st in states):
+                break
+            time.sleep(0.05)
+        for s in ("a", "b"):
+            _sh(["ip", "-n", self.ns[s], "neigh", "flush", "dev", self.dev[s]], check=False)
 
     def remove_host(self, side: str) -> None:
         """The host of ``side`` vanishes: its link first (so nothing it sends while

@@ -1,4 +1,6 @@
-"""Driving ``tests/net_peer.py`` processes: their JSON lines, with bounded waits."""
+"""Driving ``tests/net_peer.py`` processes: their JSON lines, with bounded waits; the
+fixtures of the two-host tests (``net_fixture``/``server_fixture``: a module's
+``NetPair``, a server on side a)."""
 
 from __future__ import annotations
 
@@ -9,8 +11,10 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
+
+import pytest
 
 PEER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "net_peer.py")
 
@@ -133,3 +137,69 @@ class Peer:
                     f.close()
                 except OSError:
                     pass
+
+
+# --- two hosts (benchmarks/netns.py) -----------------------------------------------------
+SERVER_ADDR = "198.18.0.1"
+PORT, STREAM_PORT, PROTO_PORT = 18515, 18516, 18517  # the namespaces' own ports
+
+
+def soft_env() -> dict[str, str]:
+    return dict(os.environ, AIORDMA_PROVIDER="soft")
+
+
+def net_fixture() -> Any:
+    """A module-scoped fixture: a ``NetPair`` (skips with the reason when none can be
+    made here)."""
+
+    @pytest.fixture(scope="module")
+    def net() -> Iterator[Any]:
+        from benchmarks.netns import NetPair, unavailable
+
+        reason = unavailable()
+        if reason is not None:
+            pytest.skip(reason)
+        with NetPair() as pair:
+            yield pair
+
+    return net
+
+
+def start_server(net: Any, *args: str, timeout: float = 60.0) -> Peer:
+    """``net_peer.py serve`` on side a, ready."""
+    srv = Peer(net.python("a", [PEER, "serve", "--host", SERVER_ADDR, "--port", str(PORT),
+                                "--stream-port", str(STREAM_PORT), "--proto-port",
+                                str(PROTO_PORT), *args], env=soft_env()))
+    srv.until(lambda e: e.get("ready", False), timeout, "the server")
+    return srv
+
+
+def server_fixture() -> Any:
+    """A fixture: a server on side a of ``net``; every fault cleared afterwards."""
+
+    @pytest.fixture
+    def server(net: Any) -> Iterator[Peer]:
+        srv = start_server(net)
+        try:
+            yield srv
+        finally:
+            srv.close()
+            net.clear()
+
+    return server
+
+
+def client(net: Any, *args: str) -> Peer:
+    """``net_peer.py args`` on side b, towards the server."""
+    return Peer(net.python("b", [PEER, *args, "--host", SERVER_ADDR, "--port", str(PORT)],
+                           env=soft_env()))
+
+
+def api_works(net: Any, timeout: float = 60.0) -> None:
+    """A new connection does the endpoint API (up to 1 MiB): the link works again."""
+    c = client(net, "api", "--stream-port", str(STREAM_PORT), "--proto-port", str(PROTO_PORT),
+               "--max-size", str(1 << 20))
+    try:
+        c.finish(timeout)
+    finally:
+        c.close()

@@ -5,7 +5,7 @@ for the cross-host tests), reporting on stdout, one JSON object per line.
     python tests/net_peer.py serve --host H --port P [--stream-port Q --proto-port R] [OPTIONS]
     python tests/net_peer.py api --host H --port P --stream-port Q --proto-port R [--max-size N]
     python tests/net_peer.py traffic --host H --port P --bytes N [--seed S]
-    python tests/net_peer.py hold --host H --port P --idle N --busy N --busy-noliveness N
+    python tests/net_peer.py hold --host H --port P --idle N --busy N --writers N
 
 OPTIONS: ``--liveness S`` (``liveness_timeout``; ``none``: off), ``--ack-timeout C``.
 
@@ -23,8 +23,11 @@ OPTIONS: ``--liveness S`` (``liveness_timeout``; ``none``: off), ``--ack-timeout
   echo service (16 in flight) with one-sided ops in between, and checks every echo:
   each message exactly once, in order, intact; prints ``{"ok": true, "messages",
   "bytes", "seconds"}``.
-* ``hold`` opens idle, busy (a stream of 64 KiB sends, 8 in flight, to ``sink``) and
-  busy endpoints without heartbeat, prints ``{"event": "connected"}``, then one
+* ``hold`` opens idle endpoints (``idle<i>``), busy ones (``busy<i>``: a stream of
+  64 KiB sends to ``sink``, 8 in flight) and writers without heartbeat (``write<i>``:
+  64 KiB RDMA WRITEs to a ``region``, 8 in flight, so that work requests are always
+  outstanding and only the QP's retry budget can end it), prints ``{"event":
+  "connected"}``, then one
   ``{"event": "failed", "ep", "error", "cause", "t"}`` per endpoint that fails. Commands
   on stdin, each answered by one line: ``ping`` (every live idle endpoint does an echo
   round trip: ``{"event": "pong", "alive": [names]}``), ``progress`` (``{"event":
@@ -244,9 +247,9 @@ async def hold(a: argparse.Namespace) -> None:
         await eps[f"idle{i}"].send(b"echo")
     for i in range(a.busy):
         eps[f"busy{i}"] = await aiordma.connect(a.host, a.port, timeout=30, **o)
-    for i in range(a.busy_noliveness):
-        eps[f"busyraw{i}"] = await aiordma.connect(a.host, a.port, timeout=30,
-                                                   **dict(o, liveness_timeout=None))
+    for i in range(a.writers):
+        eps[f"write{i}"] = await aiordma.connect(a.host, a.port, timeout=30,
+                                                 **dict(o, liveness_timeout=None))
     sent.update({n: 0 for n in eps if not n.startswith("idle")})
     failed: set[str] = set()
     pongs: dict[str, asyncio.Queue[bytes]] = {n: asyncio.Queue() for n in eps}
@@ -256,13 +259,22 @@ async def hold(a: argparse.Namespace) -> None:
             if name.startswith("idle"):
                 while True:  # only the echoes of "ping" come: a failure ends it
                     pongs[name].put_nowait(await ep.recv())
-            await ep.send(b"sink")
             blob = bytes(64 * KiB)
+            if name.startswith("write"):
+                await asyncio.wait_for(ep.send(b"region"), T)
+                desc = aiordma.RemoteBuffer.unpack(await asyncio.wait_for(ep.recv(), T))
+                src = ep.register(bytearray(blob))
+                dst = desc.slice(0, len(blob))
+            else:
+                await ep.send(b"sink")
             sem = asyncio.Semaphore(8)
 
             async def one() -> None:
                 try:
-                    await ep.send(blob)
+                    if name.startswith("write"):
+                        await ep.write(src, dst)
+                    else:
+                        await ep.send(blob)
                     sent[name] += 1
                 finally:
                     sem.release()
@@ -325,7 +337,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--idle", type=int, default=1)
     p.add_argument("--busy", type=int, default=1)
-    p.add_argument("--busy-noliveness", type=int, default=0)
+    p.add_argument("--writers", type=int, default=0)
     p.add_argument("--liveness", default=None)
     p.add_argument("--ack-timeout", type=int, default=None)
     a = p.parse_args()

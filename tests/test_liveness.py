@@ -93,7 +93,7 @@ def test_frozen_peer_fails_idle_and_busy_endpoints(server: tuple[Peer, int]) -> 
     srv, port = server
     timeout = 1.5
     hold = Peer.local("hold", "--port", str(port), "--idle", "1", "--busy", "1",
-                      "--busy-noliveness", "1", "--liveness", str(timeout))
+                      "--writers", "1", "--liveness", str(timeout))
     try:
         hold.until(lambda e: e.get("event") == "connected", T, "connected")
         srv.stop()
@@ -105,7 +105,7 @@ def test_frozen_peer_fails_idle_and_busy_endpoints(server: tuple[Peer, int]) -> 
             # never before three quarters of the timeout (rule 3 of protocol.heartbeat)
             assert ev["t"] - t0 >= 0.5 * timeout, ev
         # without a heartbeat only the retry budget (8.6 s by default) could end it
-        assert "busyraw0" not in got
+        assert "write0" not in got
         srv.signal(signal.SIGCONT)
         # the resumed server finds both connections gone (our side closed them)
         for _ in range(2):

@@ -9,54 +9,17 @@ Root, iproute2 and iptables (``make net-prereqs``); skipped with the reason othe
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
-from _peers import PEER, Peer, figure
+from _peers import PROTO_PORT, STREAM_PORT, Peer, client, figure, net_fixture, server_fixture
 
-from benchmarks.netns import NetPair, unavailable
+from benchmarks.netns import NetPair
 
 pytestmark = [pytest.mark.netns, pytest.mark.multiprocess]
 
 T = 120.0
-PORT, STREAM_PORT, PROTO_PORT = 18515, 18516, 18517  # the namespaces' own ports
 MiB = 1 << 20
-
-
-@pytest.fixture(scope="module")
-def net() -> Iterator[NetPair]:
-    reason = unavailable()
-    if reason is not None:
-        pytest.skip(reason)
-    with NetPair() as pair:
-        yield pair
-
-
-def _server_args() -> list[str]:
-    return [PEER, "serve", "--host", "198.18.0.1", "--port", str(PORT), "--stream-port",
-            str(STREAM_PORT), "--proto-port", str(PROTO_PORT)]
-
-
-@pytest.fixture
-def server(net: NetPair) -> Iterator[Peer]:
-    srv = Peer(net.python("a", _server_args(), env=_env()))
-    try:
-        srv.until(lambda e: e.get("ready", False), T, "the server")
-        yield srv
-    finally:
-        srv.close()
-        net.clear()
-
-
-def _env() -> dict[str, str]:
-    import os
-
-    return dict(os.environ, AIORDMA_PROVIDER="soft")
-
-
-def client(net: NetPair, *args: str) -> Peer:
-    return Peer(net.python("b", [PEER, *args, "--host", "198.18.0.1", "--port", str(PORT)],
-                           env=_env()))
+net = net_fixture()
+server = server_fixture()
 
 
 def test_endpoint_api_across_hosts(net: NetPair, server: Peer) -> None:

@@ -237,6 +237,17 @@ class Admission:
 
     def _expire(self, p: Pending) -> None:
         if p in self.pending:
+            # What arrived is read first: this process may have been paused (SIGSTOP, a
+            # loaded machine) while the HELLO came, and its timers run late, maybe
+            # before the selector reports the socket readable. (Timers run with the
+            # device lock held; ``read`` takes it.)
+            lock = self.engine.lock
+            lock.release()
+            try:
+                self.read(p)
+            finally:
+                lock.acquire()
+        if p in self.pending:
             self.timed_out += 1
             self.drop(p)
 
