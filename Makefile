@@ -7,7 +7,7 @@ COUNT ?= 200
 
 _NATIVE_SO = $(wildcard aiordma/*.so aiordma/*/*.so aiordma/*/*/*.so)
 
-.PHONY: native native-prereqs clean-native test-native setup echo test test-fast test-net net-prereqs test-rxe test-rxe-all test-rxe-bookworm test-rxe-compat lint bench bench-rxe clean
+.PHONY: native native-prereqs clean-native test-native setup echo test test-fast test-net net-prereqs bench-net test-rxe test-rxe-all test-rxe-bookworm test-rxe-compat lint bench bench-rxe clean
 
 $(VENV)/.stamp: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -131,6 +131,13 @@ BENCH_ARGS ?= --tests send_lat,write_lat,read_lat,send_bw,write_bw,msg_rate,reac
 	--sizes 64,4K,1M --iters 1000 --max-seconds 2 --baselines tcp-proto,unix-proto,memcpy
 bench: setup
 	AIORDMA_PROVIDER=soft $(PY) -m aiordma bench $(BENCH_ARGS)
+
+## soft between two network namespaces against plain TCP on the same link, measured in
+## the same run: clean, 10% loss, reordering, delay; a receiver paused 3 s (root; about 4
+## minutes). BENCH_NET_ARGS="--sweep 15,16,17,18,19": the retry-policy sweep of docs/networks.md.
+BENCH_NET_ARGS ?=
+bench-net: setup net-prereqs
+	$(PY) -m benchmarks.network $(BENCH_NET_ARGS)
 
 ## The same harness on real verbs in the Soft-RoCE VM: aiordma's `verbs` provider against
 ## a synchronous busy-polling pyverbs program and perftest (ib_send_lat, ib_write_bw)
