@@ -44,6 +44,17 @@ def server() -> Iterator[tuple[Peer, int]]:
         srv.close()
 
 
+def _hold(port: int, *args: str) -> Peer:
+    """``net_peer.py hold`` with ``args``, connected."""
+    hold = Peer.local("hold", "--port", str(port), *args)
+    try:
+        hold.until(lambda e: e.get("event") == "connected", T, "connected")
+    except BaseException:
+        hold.close()
+        raise
+    return hold
+
+
 def test_liveness_options_and_negotiation() -> None:
     assert EndpointOptions().liveness_timeout == 8.0
     assert EndpointOptions.from_kwargs({"liveness_timeout": None}).liveness_timeout is None
@@ -92,10 +103,8 @@ async def test_heartbeat_runs_on_a_healthy_connection() -> None:
 def test_frozen_peer_fails_idle_and_busy_endpoints(server: tuple[Peer, int]) -> None:
     srv, port = server
     timeout = 1.5
-    hold = Peer.local("hold", "--port", str(port), "--idle", "1", "--busy", "1",
-                      "--writers", "1", "--liveness", str(timeout))
+    hold = _hold(port, "--idle", "1", "--busy", "1", "--writers", "1", "--liveness", str(timeout))
     try:
-        hold.until(lambda e: e.get("event") == "connected", T, "connected")
         srv.stop()
         t0 = time.monotonic()
         got = hold.failures({"idle0", "busy0"}, T)
@@ -132,10 +141,8 @@ def _stream_args(srv: Peer) -> list[str]:
 @pytest.mark.multiprocess
 def test_short_pause_passes(server: tuple[Peer, int]) -> None:
     srv, port = server
-    hold = Peer.local("hold", "--port", str(port), "--idle", "1", "--busy", "1",
-                      "--liveness", "4")
+    hold = _hold(port, "--idle", "1", "--busy", "1", "--liveness", "4")
     try:
-        hold.until(lambda e: e.get("event") == "connected", T, "connected")
         before = hold.command("progress", "progress", T)["sent"]["busy0"]
         srv.stop()
         time.sleep(0.5)
@@ -157,10 +164,8 @@ def test_short_pause_passes(server: tuple[Peer, int]) -> None:
 @pytest.mark.multiprocess
 def test_killed_peer_is_noticed_by_eof(server: tuple[Peer, int]) -> None:
     srv, port = server
-    hold = Peer.local("hold", "--port", str(port), "--idle", "1", "--busy", "1",
-                      "--liveness", "none")
+    hold = _hold(port, "--idle", "1", "--busy", "1", "--liveness", "none")
     try:
-        hold.until(lambda e: e.get("event") == "connected", T, "connected")
         srv.proc.kill()
         got = hold.failures({"idle0", "busy0"}, T)
         assert got["idle0"]["error"] == "ConnectionClosed" and got["idle0"]["cause"] is None

@@ -58,18 +58,24 @@ def _survived(h: Peer, what: str) -> None:
     figure(f"{what}: no endpoint failed; afterwards {after} 64 KiB operations done in all")
 
 
+def _silent_peer_fails(h: Peer, what: str, t0: float) -> None:
+    """A silent peer (cut off, frozen, gone): the heartbeat fails the idle endpoint and
+    the busy one (or its retries do), the retry budget the writer without heartbeat."""
+    got = h.failures(ALL, T)
+    _report(what, t0, got)
+    causes = _causes(got)
+    assert causes["idle0"] == ("ConnectionClosed", "PeerUnresponsive")
+    assert causes["busy0"] in {("ConnectionClosed", "PeerUnresponsive"),
+                               ("ConnectionClosed", "RetryExceededError")}
+    assert causes["write0"] == ("ConnectionClosed", "RetryExceededError")
+
+
 def _cut(net: NetPair, server: Peer, what: str, cut: Any) -> None:
     h = hold(net)
     try:
         t0 = time.monotonic()
         cut()
-        got = h.failures(ALL, T)
-        _report(what, t0, got)
-        causes = _causes(got)
-        assert causes["idle0"] == ("ConnectionClosed", "PeerUnresponsive")
-        assert causes["busy0"] in {("ConnectionClosed", "PeerUnresponsive"),
-                                   ("ConnectionClosed", "RetryExceededError")}
-        assert causes["write0"] == ("ConnectionClosed", "RetryExceededError")
+        _silent_peer_fails(h, what, t0)
         # the server gives up on the client the same way
         seen = [server.until(lambda e: e.get("event") == "closed", T, "the server's view")
                 for _ in ALL]
@@ -123,13 +129,7 @@ def test_peer_paused_30s(net: NetPair, server: Peer) -> None:
     try:
         server.stop()
         t0 = time.monotonic()
-        got = h.failures(ALL, T)
-        _report("peer paused 30 s", t0, got)
-        causes = _causes(got)
-        assert causes["idle0"] == ("ConnectionClosed", "PeerUnresponsive")
-        assert causes["busy0"] in {("ConnectionClosed", "PeerUnresponsive"),
-                                   ("ConnectionClosed", "RetryExceededError")}
-        assert causes["write0"] == ("ConnectionClosed", "RetryExceededError")
+        _silent_peer_fails(h, "peer paused 30 s", t0)
         time.sleep(max(0.0, t0 + 30.0 - time.monotonic()))
         server.signal(signal.SIGCONT)
         # resumed, it finds every connection gone (our side closed them), and serves
@@ -170,13 +170,7 @@ def test_host_gone(net: NetPair, server: Peer) -> None:
     try:
         t0 = time.monotonic()
         net.remove_host("a")  # its link, then its processes, then its namespace
-        got = h.failures(ALL, T)
-        _report("host gone", t0, got)
-        causes = _causes(got)
-        assert causes["idle0"] == ("ConnectionClosed", "PeerUnresponsive")
-        assert causes["busy0"] in {("ConnectionClosed", "PeerUnresponsive"),
-                                   ("ConnectionClosed", "RetryExceededError")}
-        assert causes["write0"] == ("ConnectionClosed", "RetryExceededError")
+        _silent_peer_fails(h, "host gone", t0)
         h.command("quit", "done", T)
     finally:
         h.close()
