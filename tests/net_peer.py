@@ -54,6 +54,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import aiordma  # noqa: E402
 
 T = 120.0  # bound of any single wait
+LIMIT = 10_000_000  # bound of any loop's count (each is also bounded in time: T a wait)
 KiB = 1024
 MiB = 1024 * KiB
 
@@ -87,8 +88,8 @@ async def serve(a: argparse.Namespace) -> None:
                                      remote_atomic=True)
                 await ep.send(region.remote().pack())
                 kind = b"echo"
-            while True:
-                msg = await ep.recv()
+            for _ in range(LIMIT):
+                msg = await asyncio.wait_for(ep.recv(), 3600)
                 if kind == b"echo":
                     await ep.send(msg)
         except aiordma.ConnectionClosed as exc:
@@ -257,8 +258,8 @@ async def hold(a: argparse.Namespace) -> None:
     async def watch(name: str, ep: aiordma.Endpoint) -> None:
         try:
             if name.startswith("idle"):
-                while True:  # only the echoes of "ping" come: a failure ends it
-                    pongs[name].put_nowait(await ep.recv())
+                for _ in range(LIMIT):  # only the echoes of "ping" come: a failure ends it
+                    pongs[name].put_nowait(await asyncio.wait_for(ep.recv(), 3600))
             blob = bytes(64 * KiB)
             if name.startswith("write"):
                 await asyncio.wait_for(ep.send(b"region"), T)
@@ -285,10 +286,12 @@ async def hold(a: argparse.Namespace) -> None:
                 if not f.cancelled() and f.exception() is not None:
                     errors.append(f.exception())  # type: ignore[arg-type]
 
-            while not errors:
-                await sem.acquire()
+            for _ in range(LIMIT):
+                if errors:
+                    break
+                await asyncio.wait_for(sem.acquire(), T)
                 asyncio.ensure_future(one()).add_done_callback(done)
-            raise errors[0]
+            raise errors[0] if errors else AssertionError(f"{name}: {LIMIT} operations")
         except aiordma.ConnectionClosed as exc:
             failed.add(name)
             emit(event="failed", ep=name, error=_name(exc), cause=_name(exc.__cause__),
@@ -304,7 +307,7 @@ async def hold(a: argparse.Namespace) -> None:
         loop.call_soon_threadsafe(commands.put_nowait, "quit")
 
     threading.Thread(target=read_stdin, daemon=True).start()
-    while True:
+    for _ in range(10_000):
         cmd = await asyncio.wait_for(commands.get(), 3600)
         if cmd == "ping":
             alive = []
