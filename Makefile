@@ -9,7 +9,7 @@ _NATIVE_SO = $(wildcard aiordma/*.so aiordma/*/*.so aiordma/*/*/*.so)
 
 
 .PHONY: bench-cost
-.PHONY: native native-prereqs clean-native test-native test-wheel results setup echo test test-fast test-rxe test-rxe-all test-rxe-bookworm test-rxe-compat lint bench bench-rxe clean
+.PHONY: native native-prereqs clean-native test-native test-wheel results setup echo test test-fast test-net net-prereqs bench-net test-rxe test-rxe-all test-rxe-bookworm test-rxe-compat lint bench bench-rxe clean
 
 $(VENV)/.stamp: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,14 +24,30 @@ echo: setup
 	AIORDMA_PROVIDER=soft $(PY) examples/echo_pair.py --count $(COUNT) --size $(SIZES)
 
 ## Fast tier: unit, sans-IO and provider-parametrised tests on `soft`, both loops,
-## plus mypy and ruff.
+## plus mypy and ruff (the two-host tests are test-net's).
 test-fast: setup
-	AIORDMA_PROVIDER=soft $(PY) -m pytest -q
+	AIORDMA_PROVIDER=soft $(PY) -m pytest -q -m "not netns"
 
-## The test command (README, .ci/run): the fast tier, the fast tier again on the native
-## (mypyc) build, the package as a user installs it, then the same suite on real verbs
-## (rdma_rxe) inside the Soft-RoCE VM: forky (pyverbs 65), then the compat run on bookworm (44).
-test: test-fast test-native test-wheel test-rxe test-rxe-compat
+## Two hosts on this machine (network namespaces joined by a veth pair, root): `soft`
+## over TCP between them, the endpoint API, traffic under loss/delay/reordering/
+## duplication, and the faults a network has (link down, total loss, paused, killed
+## and vanished peers), with the figures they measured printed at the end.
+test-net: setup net-prereqs
+	AIORDMA_PROVIDER=soft $(PY) -m pytest -q -rs -m netns
+
+# iproute2 (ip netns) and iptables, installed with apt-get when missing (as root).
+net-prereqs:
+	@if ! command -v ip >/dev/null 2>&1 || ! command -v iptables >/dev/null 2>&1; then \
+		command -v apt-get >/dev/null 2>&1 || { echo "make test-net: needs iproute2 and iptables"; exit 1; }; \
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq iproute2 iptables; \
+	fi
+
+## The test command (README, .ci/run): the fast tier, the two-host tier, the fast tier
+## again on the native (mypyc) build, the package as a user installs it, then the same
+## suite on real verbs (rdma_rxe) inside the Soft-RoCE VM: forky (pyverbs 65), then the
+## compat run on bookworm (44).
+test: test-fast test-net test-native test-wheel test-rxe test-rxe-compat
 
 lint: setup
 	$(PY) -m ruff check aiordma tests examples
@@ -70,7 +86,7 @@ test-native: setup native-prereqs
 		| tar -xf - -C $(NATIVE_TREE)
 	cd $(NATIVE_TREE) && $(BUILD_NATIVE) >build.log 2>&1 || { tail -50 build.log; exit 1; }
 	cd $(NATIVE_TREE) && AIORDMA_PROVIDER=soft AIORDMA_EXPECT_BUILD=mypyc \
-		$(abspath $(PY)) -m pytest -q -p no:cacheprovider -m "not lint"
+		$(abspath $(PY)) -m pytest -q -p no:cacheprovider -m "not lint and not netns"
 
 ## The package as a user gets it: build the sdist and, from it, the wheel (build/dist),
 ## install the wheel alone into a fresh venv (build/wheel-venv, no index, no checkout on
@@ -153,6 +169,13 @@ results: setup
 	$(PY) -m pip install -q -e '.[test,plot]'
 	$(PY) -m aiordma bench $(RESULTS_ARGS) --save docs/results/current.json --plot docs/results/current.png
 	$(PY) -m aiordma.bench.report docs/results/current.json --update README.md docs/benchmarks.md
+
+## soft between two network namespaces against plain TCP on the same link, measured in
+## the same run: clean, 10% loss, reordering, delay; a receiver paused 3 s (root; about 4
+## minutes). BENCH_NET_ARGS="--sweep 15,16,17,18,19": the retry-policy sweep of docs/networks.md.
+BENCH_NET_ARGS ?=
+bench-net: setup net-prereqs
+	$(PY) -m aiordma.bench.network $(BENCH_NET_ARGS)
 
 ## The same harness on real verbs in the Soft-RoCE VM: aiordma's `verbs` provider against
 ## a synchronous busy-polling pyverbs program and perftest (ib_send_lat, ib_write_bw)

@@ -131,15 +131,16 @@ class Resources:
 
     # ---------------------------------------------------------------- connecting
     def connect(self, gid: bytes, lid: int, qp_num: int, psn: int, mtu: int, gid_index: int,
-                our_psn: int) -> None:
-        """Move the QP to RTS towards the peer. Raises RDMAError."""
+                our_psn: int, *, timeout: int, retry_cnt: int) -> None:
+        """Move the QP to RTS towards the peer (``timeout``/``retry_cnt``: the local ACK
+        timeout and retries, their verbs meaning). Raises RDMAError."""
         path_mtu = MTU(min(mtu, int(self.port.active_mtu)))
         self.qp.modify(QPAttr(QPState.RTR, path_mtu=path_mtu, dest_qp_num=qp_num,
                               rq_psn=psn, max_dest_rd_atomic=16, min_rnr_timer=12,
                               ah_attr=AHAttr(dgid=gid, dlid=lid, sgid_index=gid_index,
                                              port_num=1)))
-        self.qp.modify(QPAttr(QPState.RTS, sq_psn=our_psn, timeout=14, retry_cnt=7,
-                              rnr_retry=7, max_rd_atomic=16))
+        self.qp.modify(QPAttr(QPState.RTS, sq_psn=our_psn, timeout=timeout,
+                              retry_cnt=retry_cnt, rnr_retry=7, max_rd_atomic=16))
 
     # ---------------------------------------------------------------- engine port: posting
     def drop_send_id(self, wr_id: int) -> None:

@@ -408,6 +408,21 @@ def test_max_wr_size_is_validated() -> None:
         EndpointOptions.from_kwargs({"max_wr_size": 100})
 
 
+def test_ack_timeout_and_retry_cnt_options() -> None:
+    from aiordma.verbs.soft.requester import local_ack_timeout_s
+
+    o = EndpointOptions()
+    assert (o.qp_timeout("soft"), o.qp_timeout("verbs"), o.retry_cnt) == (18, 14, 7)
+    assert EndpointOptions.from_kwargs({"ack_timeout": 0}).qp_timeout("soft") == 0
+    for bad in ({"ack_timeout": 32}, {"ack_timeout": -1}, {"retry_cnt": 8}, {"retry_cnt": -1}):
+        with pytest.raises(ValueError):
+            EndpointOptions.from_kwargs(bad)
+    # soft: one try is 4.096 us * 2**timeout, at least 2**15 of them; 0 waits forever
+    assert local_ack_timeout_s(0) is None
+    assert local_ack_timeout_s(18) == pytest.approx(1.073741824)
+    assert local_ack_timeout_s(3) == local_ack_timeout_s(15) == pytest.approx(0.134217728)
+
+
 async def test_atomics(opts: dict) -> None:
     async with pair(opts) as (ep, q):
         srv = await server_ep(q)

@@ -20,6 +20,7 @@ LAYERS: dict[str, int] = {
     "acceptor": 2,
     "cq_reactor": 3,
     "device": 4,
+    "liveness": 4,
     "resources": 5,
     "lifecycle": 5,
     "endpoint": 6,
