@@ -103,5 +103,8 @@ async def watch(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
     finally:
         if handle is not None:
             handle.cancel()
-        if read is not None and not read.done():
-            read.cancel()
+        if read is not None:
+            if not read.done():
+                read.cancel()
+            elif not read.cancelled():
+                read.exception()  # (a reset the watch was cancelled before it saw)
