@@ -15,7 +15,15 @@ $(VENV)/.stamp: pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	touch $@
 
-setup: $(VENV)/.stamp
+# distributed's comm test module (tests/test_dask_comms.py runs its generic checks
+# against rdma://): pip's wheels leave it out, Debian's python3-distributed ships it.
+# Fetched once; without it (no apt-get, no mirror) those tests skip, saying why.
+DIST_TESTS := $(VENV)/distributed-tests
+$(DIST_TESTS)/VERSION: tests/fetch-distributed-tests.sh | $(VENV)/.stamp
+	bash tests/fetch-distributed-tests.sh $(DIST_TESTS) \
+		|| echo "make: distributed's comm tests not fetched; tests/test_dask_comms.py skips them"
+
+setup: $(VENV)/.stamp $(DIST_TESTS)/VERSION
 
 ## The main job: async echo across two processes on the soft provider.
 echo: setup
@@ -68,6 +76,7 @@ test-native: setup native-prereqs
 		| tar -xf - -C $(NATIVE_TREE)
 	cd $(NATIVE_TREE) && $(BUILD_NATIVE) >build.log 2>&1 || { tail -50 build.log; exit 1; }
 	cd $(NATIVE_TREE) && AIORDMA_PROVIDER=soft AIORDMA_EXPECT_BUILD=mypyc \
+		AIORDMA_DISTRIBUTED_TESTS=$(abspath $(DIST_TESTS)) \
 		$(abspath $(PY)) -m pytest -q -p no:cacheprovider -m "not lint"
 
 ## Soft-RoCE VM tier (tests/rxe/README.md): the suite on real verbs (rdma_rxe) in a

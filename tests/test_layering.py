@@ -27,6 +27,7 @@ LAYERS: dict[str, int] = {
     "transport": 7,
     "rdma_transport": 7,
     "streams": 8,
+    "dask": 9,  # the rdma:// backend of distributed, over the public API
     "__init__": 9,
     "__main__": 10,
     "bench": 10,
