@@ -26,6 +26,7 @@ import functools
 import logging
 import socket
 import weakref
+from collections.abc import Coroutine
 from typing import Any, ClassVar, Final
 
 import dask
@@ -72,6 +73,19 @@ def endpoint_options() -> dict[str, Any]:
 def _address(sockaddr: Any) -> str:
     """``rdma://host:port`` of a socket address tuple."""
     return PREFIX + unparse_host_port(sockaddr[0], sockaddr[1])
+
+
+def _start(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, None]) -> asyncio.Future[None]:
+    """A task running ``coro``; its first step (where ``Endpoint.send`` queues the
+    message) runs now where asyncio can (3.12+: eager tasks), else in the loop's next
+    iteration, in the order the tasks were made."""
+    if _eager is not None:
+        task: asyncio.Future[None] = _eager(loop, coro)
+        return task
+    return loop.create_task(coro)
+
+
+_eager = getattr(asyncio, "eager_task_factory", None)
 
 
 def _abort_dangling(ep: aiordma.Endpoint, loop: asyncio.AbstractEventLoop, name: str) -> None:
@@ -215,10 +229,11 @@ class RDMAComm(Comm):
         (``regions.py``), so the peer READs them from where they lie."""
         regions = self._tx.hold([mv for mv in separate
                                  if mv.nbytes >= REGISTER_MIN and not mv.readonly])
-        sends = [ep.send(head)]
+        loop = asyncio.get_running_loop()
+        sends = [_start(loop, ep.send(head))]
         for mv in separate:
-            sends += [ep.send(mv[off: off + n]) for off, n in fr.pieces(mv.nbytes)]
-        done = asyncio.gather(*sends)
+            sends += [_start(loop, ep.send(mv[off: off + n])) for off, n in fr.pieces(mv.nbytes)]
+        done = sends[0] if len(sends) == 1 else asyncio.gather(*sends)
         self._sending.add(done)
         done.add_done_callback(functools.partial(self._sent, regions))
 
