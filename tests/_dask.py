@@ -59,3 +59,26 @@ def upstream_comm_tests() -> ModuleType:
         del sys.modules[_NAME]
         raise
     return module
+
+
+def backend_env(provider: str, tmp: pathlib.Path) -> dict[str, str]:
+    """The environment of a Dask process that must know the rdma:// scheme: the
+    provider under test and this checkout (``_procs.proc_env``), and -- where aiordma
+    is not installed (a checkout on PYTHONPATH: the VM tier) -- a directory on
+    PYTHONPATH with the distribution metadata of its entry point, which is how an
+    installed aiordma[dask] makes the scheme known to every Dask process."""
+    from importlib.metadata import entry_points
+
+    from _procs import proc_env
+
+    env = proc_env(provider)
+    if list(entry_points(group="distributed.comm.backends", name="rdma")):
+        return env
+    info = tmp / "entry-point" / "aiordma_dask_backend-0.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: aiordma-dask-backend\n"
+                                   "Version: 0\n")
+    (info / "entry_points.txt").write_text(
+        "[distributed.comm.backends]\nrdma = aiordma.dask.backend:RDMABackend\n")
+    env["PYTHONPATH"] = os.pathsep.join([str(info.parent), env["PYTHONPATH"]])
+    return env

@@ -11,13 +11,13 @@ distributed is not installed.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import pathlib
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from importlib.metadata import entry_points
 from typing import Any
 
 import pytest
@@ -26,7 +26,7 @@ pytest.importorskip("distributed")
 np = pytest.importorskip("numpy")
 da = pytest.importorskip("dask.array")
 
-from _procs import proc_env  # noqa: E402
+from _dask import backend_env  # noqa: E402
 from distributed import Client, LocalCluster  # noqa: E402
 
 import aiordma.dask  # noqa: E402,F401  (registers the backend in this process)
@@ -34,14 +34,6 @@ import aiordma.dask  # noqa: E402,F401  (registers the backend in this process)
 pytestmark = [pytest.mark.dask, pytest.mark.multiprocess]
 HOST = os.environ.get("AIORDMA_TEST_IP", "127.0.0.1")
 START_S = 90.0  # the most a process may take to come up (a loaded 2-core machine, a VM)
-
-
-def _preload() -> list[str]:
-    """Without aiordma's entry point (a checkout on PYTHONPATH, not installed: the VM
-    tier) Dask's processes learn the scheme from a preload of aiordma.dask."""
-    if list(entry_points(group="distributed.comm.backends", name="rdma")):
-        return []
-    return ["--preload", "aiordma.dask"]
 
 
 def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
@@ -61,11 +53,10 @@ def cli_cluster(protocol: str, tmp: pathlib.Path, provider: str) -> Iterator[str
     """A scheduler and two workers (``--no-nanny``: each worker is one process) on
     ``protocol``; yields the scheduler's address. The processes' output goes to
     ``tmp/<name>.log``, shown when they fail to come up."""
-    env = proc_env(provider)
-    env["DASK_DISTRIBUTED__WORKER__DAEMON"] = "False"
+    env = backend_env(provider, tmp)
     sched_file = tmp / f"{protocol}-scheduler.json"
     dask_cli = [sys.executable, "-m", "dask"]
-    common = ["--no-dashboard", *_preload()]
+    common = ["--no-dashboard"]
     procs: list[subprocess.Popen[bytes]] = []
     logs: list[pathlib.Path] = []
 
@@ -106,18 +97,24 @@ def _workload(client: Client) -> dict[str, Any]:
     """Worker to worker, then a dask array expression; what the test compares."""
     client.wait_for_workers(2, timeout=START_S)
     w1, w2 = sorted(client.scheduler_info()["workers"])
-    x = np.arange(2_000_000, dtype="f8")  # 16 MB: separate frames, zero-copy on rdma
+    x = np.random.default_rng(3).random(2_000_000)  # 16 MB: separate frames, zero-copy on rdma
     [fx] = client.scatter([x], workers=[w1])
-    fsum = client.submit(np.sum, fx, workers=[w2], allow_other_workers=False)
-    total = fsum.result(timeout=START_S)
+
+    def digest_of(a: Any) -> str:  # (nested: pickled by value, workers cannot import us)
+        return hashlib.sha256(a.tobytes()).hexdigest()
+
+    fdigest = client.submit(digest_of, fx, workers=[w2], allow_other_workers=False)
+    digest = fdigest.result(timeout=START_S)
 
     def incoming(dask_worker: Any) -> list[tuple[str, list[str]]]:
         return [(t["who"], list(t["keys"])) for t in dask_worker.transfer_incoming_log]
 
     moved = client.run(incoming, workers=[w2])[w2]
-    a = da.random.RandomState(7).random_sample((1200, 1200), chunks=(300, 300))
-    expr = ((a + a.T) @ a[:, :50]).mean(axis=1) - a.std(axis=0)
-    return {"workers": (w1, w2), "total": total, "moved": moved, "key": fx.key,
+    # integers: exact whatever the order of the sums (float sums may differ in the last
+    # bits with the alignment of the chunks in memory, which the transports differ in)
+    a = da.random.RandomState(7).randint(0, 1000, (1200, 1200), chunks=(300, 300))
+    expr = ((a + a.T) @ a[:, :50]).sum(axis=1) - a.max(axis=0)
+    return {"workers": (w1, w2), "digest": digest, "moved": moved, "key": fx.key,
             "array": expr.compute()}
 
 
@@ -132,7 +129,8 @@ def test_cluster_on_rdma_matches_tcp(tmp_path: pathlib.Path, provider_name: str)
     assert w1.startswith("rdma://") and w2.startswith("rdma://")
     # the scattered array went from w1 to w2, over the workers' rdma comms
     assert (w1, [rdma["key"]]) in rdma["moved"], rdma["moved"]
-    assert rdma["total"] == tcp["total"] == np.arange(2_000_000, dtype="f8").sum()
+    expected = hashlib.sha256(np.random.default_rng(3).random(2_000_000).tobytes()).hexdigest()
+    assert rdma["digest"] == tcp["digest"] == expected
     np.testing.assert_array_equal(rdma["array"], tcp["array"])
 
 
@@ -145,3 +143,18 @@ def test_local_cluster_protocol_rdma(provider_name: str) -> None:
             a = da.arange(200_000, chunks=20_000)
             got = (a * 2).sum().compute()
     assert got == 2 * np.arange(200_000).sum()
+
+
+def test_example_dask_cluster(provider_name: str, tmp_path: pathlib.Path) -> None:
+    """examples/dask_cluster.py as a process, on small sizes."""
+    from _procs import EX
+
+    proc = subprocess.run([sys.executable, str(EX / "dask_cluster.py"), "--protocols", "rdma",
+                           "--host", HOST, "--size", "8M", "--move", "2M"],
+                          env=backend_env(provider_name, tmp_path), capture_output=True,
+                          text=True,
+                          timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "rdma://  scheduler rdma://" in proc.stdout, proc.stdout
+    assert "worker-to-worker move of 2 MiB" in proc.stdout
+    assert "results: the same" in proc.stdout
