@@ -84,13 +84,15 @@ test-native: setup native-prereqs
 # The provider-parametrised suite (the provider-independent tests ran in the fast tier):
 # the verbs layer, endpoints, EOF/close and the multi-process tests on both loops; the
 # layers above the endpoint (Transports/Protocols, streams, the examples as separate
-# processes, one device shared by loops in threads) on uvloop only -- they use nothing
+# processes, one device shared by loops in threads, the Dask backend: distributed's
+# comm checks and a cluster end to end, with Debian's python3-distributed) on uvloop only -- they use nothing
 # of the provider but the endpoint, and the fast tiers run them on both loops. (Both
 # loops everywhere took 12 min of CI's ~31 on a slow host; `make test-rxe-all` runs it.)
 RXE_TESTS ?= tests/test_verbs_provider.py tests/test_ibverbs_compat.py tests/test_endpoint.py \
 	tests/test_endpoint_eof.py tests/test_multiprocess.py
 RXE_TESTS_ONE_LOOP ?= tests/test_rdma_transport.py tests/test_streams.py \
-	tests/test_examples_protocols.py tests/test_device_threads.py
+	tests/test_examples_protocols.py tests/test_device_threads.py \
+	tests/test_dask_comms.py tests/test_dask_cluster.py
 RXE_PYTEST = python3 -m pytest -p no:cacheprovider -q -rfE --durations=10
 RXE_BOTH = -k "not tcp"
 # (pytest-asyncio marks every async test "asyncio": those run on uvloop only, the rest

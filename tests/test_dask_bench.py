@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("distributed")
+pytest.importorskip("distributed", minversion="2024.12.1")  # (aiordma[dask])
 pytest.importorskip("numpy")
 
 from aiordma.dask import bench  # noqa: E402

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("distributed")
+pytest.importorskip("distributed", minversion="2024.12.1")  # (aiordma[dask])
 np = pytest.importorskip("numpy")
 da = pytest.importorskip("dask.array")
 
@@ -118,7 +118,7 @@ def _workload(client: Client) -> dict[str, Any]:
             "array": expr.compute()}
 
 
-def test_cluster_on_rdma_matches_tcp(tmp_path: pathlib.Path, provider_name: str) -> None:
+def test_cluster_on_rdma_end_to_end(tmp_path: pathlib.Path, provider_name: str) -> None:
     results = {}
     for protocol in ("tcp", "rdma"):
         with cli_cluster(protocol, tmp_path, provider_name) as address:

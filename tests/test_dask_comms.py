@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("distributed")
+pytest.importorskip("distributed", minversion="2024.12.1")  # (aiordma[dask])
 np = pytest.importorskip("numpy")
 
 import dask  # noqa: E402
