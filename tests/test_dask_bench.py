@@ -46,11 +46,21 @@ def test_ratios_and_table() -> None:
     assert "checksums differ" in table
 
 
+def test_median_of_rounds() -> None:
+    def rtt(us: float) -> dict:
+        return {"transport": "rdma", "test": "comm_rtt", "size": 64, "lat_median_us": us}
+
+    [row] = bench.median_of_rounds([[rtt(300.0)], [rtt(100.0)], [rtt(200.0)]])
+    assert row["lat_median_us"] == 200.0 and row["extra"]["rounds"] == [300.0, 100.0, 200.0]
+
+
 def test_bad_arguments() -> None:
     with pytest.raises(ValueError, match="unknown scheme"):
         bench.run(("udp",), cluster_mib=0)
     with pytest.raises(ValueError, match="positive"):
         bench.run(("tcp",), iters=0)
+    with pytest.raises(ValueError, match="positive"):
+        bench.run(("tcp",), rounds=0)
     with pytest.raises(ValueError, match="not a size"):
         bench.parse_size("lots")
     assert bench.parse_size("16M") == 16 << 20 and bench.parse_size("64") == 64

@@ -1,7 +1,8 @@
 """tcp:// against rdma:// for Dask, measured in the same run, with ratios.
 
     python -m aiordma.dask.bench [--schemes tcp,rdma] [--sizes 1M,4M,16M,64M]
-        [--iters 300] [--bw-iters 20] [--max-seconds 5] [--cluster-mib 256] [--json PATH]
+        [--iters 300] [--bw-iters 20] [--max-seconds 5] [--cluster-mib 256] [--rounds 1]
+        [--json PATH]
 
 * ``comm_rtt``: a small Dask message (a dict with 64 payload bytes) written to an echo
   server in another process and read back, one at a time: the median round trip.
@@ -13,7 +14,8 @@
   made first and not timed); the result's sum checks that the schemes agree.
 
 The schemes of one measurement run back to back (interleaved per size), so a busy
-machine weighs on all alike. ``run()`` returns the rows (dicts with the fields of the
+machine weighs on all alike; ``--rounds N`` repeats everything and reports each row's
+median round. ``run()`` returns the rows (dicts with the fields of the
 bench CLI's ``Result``: transport, test, size, lat_median_us, gbps, seconds, ...)
 and ``format_table()`` prints them with the ratio rdma/tcp (higher is better for
 rdma: bandwidth over bandwidth, tcp's time over rdma's).
@@ -217,23 +219,54 @@ def add_ratios(rows: list[dict[str, Any]], reference: str = "tcp") -> None:
         r.setdefault("ratios", {})[reference] = {"speedup": ratio}
 
 
+def _primary(row: dict[str, Any]) -> float:
+    """The figure a row is judged by (higher is better)."""
+    if row["test"] == "comm_rtt":
+        return -float(row["lat_median_us"])
+    if row["test"] == "comm_bw":
+        return float(row["gbps"])
+    return -float(row["seconds"])
+
+
+def median_of_rounds(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Per (test, size, scheme), the row of the median round (by its primary figure),
+    in the order of the first round; ``extra["rounds"]`` has every round's figure."""
+    groups: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
+    for rows in rounds:
+        for r in rows:
+            groups.setdefault((r["test"], r["size"], r["transport"]), []).append(r)
+    out = []
+    for group in groups.values():
+        ranked = sorted(group, key=_primary)
+        row = dict(ranked[(len(ranked) - 1) // 2])
+        row["extra"] = {**row.get("extra", {}), "rounds": [abs(_primary(r)) for r in group]}
+        out.append(row)
+    return out
+
+
 def run(schemes: Sequence[str] = ("tcp", "rdma"), sizes: Sequence[int] = DEFAULT_SIZES,
         iters: int = 300, bw_iters: int = 20, max_seconds: float = 5.0,
-        cluster_mib: int = 256) -> list[dict[str, Any]]:
+        cluster_mib: int = 256, rounds: int = 1) -> list[dict[str, Any]]:
     """Every measurement, as rows with ratios against tcp:// (see the module
-    docstring). ``cluster_mib=0`` skips the cluster workload. Raises ValueError for an
-    unknown scheme or bad counts."""
+    docstring); with ``rounds`` > 1 everything is measured that many times, the
+    schemes interleaved, and each row is its median round (``median_of_rounds``).
+    ``cluster_mib=0`` skips the cluster workload. Raises ValueError for an unknown
+    scheme or bad counts."""
     import aiordma.dask  # noqa: F401  (the rdma scheme, also without the entry point)
 
     for s in schemes:
         if s not in ("tcp", "rdma"):
             raise ValueError(f"unknown scheme {s!r}: tcp or rdma")
-    if iters < 1 or bw_iters < 1 or max_seconds <= 0 or cluster_mib < 0:
-        raise ValueError("iters, bw_iters and max_seconds must be positive, "
+    if iters < 1 or bw_iters < 1 or max_seconds <= 0 or cluster_mib < 0 or rounds < 1:
+        raise ValueError("iters, bw_iters, max_seconds and rounds must be positive, "
                          "cluster_mib >= 0")
-    rows = _comm_rows(schemes, sizes, iters, bw_iters, max_seconds)
-    if cluster_mib:
-        rows += [_rechunk(s, cluster_mib) for s in schemes]
+    results = []
+    for _ in range(rounds):
+        rows = _comm_rows(schemes, sizes, iters, bw_iters, max_seconds)
+        if cluster_mib:
+            rows += [_rechunk(s, cluster_mib) for s in schemes]
+        results.append(rows)
+    rows = median_of_rounds(results) if rounds > 1 else results[0]
     add_ratios(rows)
     return rows
 
@@ -276,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bw-iters", type=int, default=20, help="messages per comm_bw size")
     p.add_argument("--max-seconds", type=float, default=5.0, help="per measurement")
     p.add_argument("--cluster-mib", type=int, default=256, help="rechunk size; 0: skip")
+    p.add_argument("--rounds", type=int, default=1, help="repeat; report the median round")
     p.add_argument("--json", help="also write the rows to this file")
     p.add_argument("--serve", help=argparse.SUPPRESS)  # the echo server (child process)
     a = p.parse_args(argv)
@@ -286,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     sizes = [parse_size(s) for s in a.sizes.split(",") if s.strip()]
     rows = run([s.strip() for s in a.schemes.split(",") if s.strip()], sizes, a.iters,
-               a.bw_iters, a.max_seconds, a.cluster_mib)
+               a.bw_iters, a.max_seconds, a.cluster_mib, a.rounds)
     print(f"provider: {os.environ.get('AIORDMA_PROVIDER', '(default)')}, "
           f"{os.cpu_count()} CPUs")
     print(format_table(rows))
