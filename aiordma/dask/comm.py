@@ -55,7 +55,6 @@ DEFAULT_OPTIONS: Final[dict[str, Any]] = {
     # the largest piece of a frame, plus the head of a message of many frames
     "max_message_size": 2 * fr.PIECE,
 }
-SCHEME: Final = "rdma"
 PREFIX: Final = "rdma://"
 
 
