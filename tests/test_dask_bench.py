@@ -7,6 +7,8 @@ import pytest
 pytest.importorskip("distributed", minversion="2024.12.1")  # (aiordma[dask])
 pytest.importorskip("numpy")
 
+from _dask import HOST  # noqa: E402
+
 from aiordma.dask import bench  # noqa: E402
 
 pytestmark = [pytest.mark.dask, pytest.mark.multiprocess]
@@ -16,7 +18,7 @@ def test_short_run_gives_both_schemes_and_ratios(provider_name: str,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("AIORDMA_PROVIDER", provider_name)
     rows = bench.run(("tcp", "rdma"), sizes=[512 * 1024], iters=5, bw_iters=2,
-                     max_seconds=1, cluster_mib=0)
+                     max_seconds=1, cluster_mib=0, host=HOST)
     got = {(r["test"], r["transport"]) for r in rows}
     assert got == {(t, s) for t in ("comm_rtt", "comm_bw") for s in ("tcp", "rdma")}
     for r in rows:

@@ -2,7 +2,7 @@
 
     python -m aiordma.dask.bench [--schemes tcp,rdma] [--sizes 1M,4M,16M,64M]
         [--iters 300] [--bw-iters 20] [--max-seconds 5] [--cluster-mib 256] [--rounds 1]
-        [--json PATH]
+        [--host 127.0.0.1] [--json PATH]
 
 * ``comm_rtt``: a small Dask message (a dict with 64 payload bytes) written to an echo
   server in another process and read back, one at a time: the median round trip.
@@ -71,9 +71,9 @@ def human(n: int) -> str:
 
 
 # ---------------------------------------------------------------- the echo server
-async def _serve(scheme: str) -> None:
-    """An echo server on ``scheme``: prints its address, answers ``ping`` with the
-    message itself and ``data`` with a small ack, until stdin closes."""
+async def _serve(scheme: str, host: str) -> None:
+    """An echo server on ``scheme://host``: prints its address, answers ``ping`` with
+    the message itself and ``data`` with a small ack, until stdin closes."""
     async def handle(comm: Any) -> None:
         try:
             while True:
@@ -87,7 +87,6 @@ async def _serve(scheme: str) -> None:
         finally:
             await comm.close()
 
-    host = os.environ.get("AIORDMA_BENCH_HOST", "127.0.0.1")
     async with listen(f"{scheme}://{host}", handle) as listener:
         print(listener.contact_address, flush=True)
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
@@ -96,10 +95,10 @@ async def _serve(scheme: str) -> None:
 class _Server:
     """The echo server of one scheme, in a child process."""
 
-    def __init__(self, scheme: str) -> None:
+    def __init__(self, scheme: str, host: str) -> None:
         self.proc = subprocess.Popen([sys.executable, "-m", "aiordma.dask.bench", "--serve",
-                                      scheme], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     text=True)
+                                      scheme, "--host", host], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
         assert self.proc.stdout is not None
         self.address = self.proc.stdout.readline().strip()
         if not self.address:
@@ -160,8 +159,8 @@ async def _bw(address: str, size: int, iters: int, max_s: float) -> dict[str, An
 
 
 def _comm_rows(schemes: Sequence[str], sizes: Sequence[int], iters: int, bw_iters: int,
-               max_s: float) -> list[dict[str, Any]]:
-    servers = {s: _Server(s) for s in schemes}
+               max_s: float, host: str) -> list[dict[str, Any]]:
+    servers = {s: _Server(s, host) for s in schemes}
     rows: list[dict[str, Any]] = []
     try:
         for s in schemes:
@@ -178,12 +177,11 @@ def _comm_rows(schemes: Sequence[str], sizes: Sequence[int], iters: int, bw_iter
 
 
 # ---------------------------------------------------------------- the cluster workload
-def _rechunk(scheme: str, mib: int) -> dict[str, Any]:
+def _rechunk(scheme: str, mib: int, host: str) -> dict[str, Any]:
     import dask.array as da
     from distributed import Client, LocalCluster, wait
 
     n = int((mib * MiB / 8) ** 0.5) // 8 * 8
-    host = os.environ.get("AIORDMA_BENCH_HOST", "127.0.0.1")
     with LocalCluster(protocol=f"{scheme}://", host=host, n_workers=2, threads_per_worker=1,
                       processes=True, dashboard_address=None, memory_limit=0) as cluster:
         with Client(cluster):
@@ -246,11 +244,13 @@ def median_of_rounds(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]
 
 def run(schemes: Sequence[str] = ("tcp", "rdma"), sizes: Sequence[int] = DEFAULT_SIZES,
         iters: int = 300, bw_iters: int = 20, max_seconds: float = 5.0,
-        cluster_mib: int = 256, rounds: int = 1) -> list[dict[str, Any]]:
+        cluster_mib: int = 256, rounds: int = 1,
+        host: str = "127.0.0.1") -> list[dict[str, Any]]:
     """Every measurement, as rows with ratios against tcp:// (see the module
     docstring); with ``rounds`` > 1 everything is measured that many times, the
     schemes interleaved, and each row is its median round (``median_of_rounds``).
-    ``cluster_mib=0`` skips the cluster workload. Raises ValueError for an unknown
+    ``cluster_mib=0`` skips the cluster workload; ``host``: the address every server
+    listens on (on ``verbs``, the RDMA interface's). Raises ValueError for an unknown
     scheme or bad counts."""
     import aiordma.dask  # noqa: F401  (the rdma scheme, also without the entry point)
 
@@ -262,9 +262,9 @@ def run(schemes: Sequence[str] = ("tcp", "rdma"), sizes: Sequence[int] = DEFAULT
                          "cluster_mib >= 0")
     results = []
     for _ in range(rounds):
-        rows = _comm_rows(schemes, sizes, iters, bw_iters, max_seconds)
+        rows = _comm_rows(schemes, sizes, iters, bw_iters, max_seconds, host)
         if cluster_mib:
-            rows += [_rechunk(s, cluster_mib) for s in schemes]
+            rows += [_rechunk(s, cluster_mib, host) for s in schemes]
         results.append(rows)
     rows = median_of_rounds(results) if rounds > 1 else results[0]
     add_ratios(rows)
@@ -310,17 +310,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-seconds", type=float, default=5.0, help="per measurement")
     p.add_argument("--cluster-mib", type=int, default=256, help="rechunk size; 0: skip")
     p.add_argument("--rounds", type=int, default=1, help="repeat; report the median round")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (verbs: the RDMA interface's)")
     p.add_argument("--json", help="also write the rows to this file")
     p.add_argument("--serve", help=argparse.SUPPRESS)  # the echo server (child process)
     a = p.parse_args(argv)
     if a.serve:
         import aiordma.dask  # noqa: F401
 
-        asyncio.run(_serve(a.serve))
+        asyncio.run(_serve(a.serve, a.host))
         return 0
     sizes = [parse_size(s) for s in a.sizes.split(",") if s.strip()]
     rows = run([s.strip() for s in a.schemes.split(",") if s.strip()], sizes, a.iters,
-               a.bw_iters, a.max_seconds, a.cluster_mib, a.rounds)
+               a.bw_iters, a.max_seconds, a.cluster_mib, a.rounds, a.host)
     print(f"provider: {os.environ.get('AIORDMA_PROVIDER', '(default)')}, "
           f"{os.cpu_count()} CPUs")
     print(format_table(rows))
