@@ -5,7 +5,7 @@ A scheduler and two worker processes, started with Dask's own command line (``py
 process: data scattered to one worker is used by a task pinned to the other (it moves
 worker to worker over the workers' comms), and a dask array expression computes the same
 result as on tcp://. Also ``LocalCluster(protocol="rdma://")``. Skipped where
-distributed is not installed.
+distributed is not installed. (examples/dask_cluster.py: tests/test_dask_example.py.)
 """
 
 from __future__ import annotations
@@ -151,19 +151,3 @@ def test_local_cluster_protocol_rdma(provider_name: str) -> None:
             a = da.arange(200_000, chunks=20_000)
             got = (a * 2).sum().compute()
     assert got == 2 * np.arange(200_000).sum()
-
-
-@pytest.mark.timeout(TEST_TIMEOUT_S)
-def test_example_dask_cluster(provider_name: str, tmp_path: pathlib.Path) -> None:
-    """examples/dask_cluster.py as a process, on small sizes."""
-    from _procs import EX
-
-    proc = subprocess.run([sys.executable, str(EX / "dask_cluster.py"), "--protocols", "rdma",
-                           "--host", HOST, "--size", "8M", "--move", "2M"],
-                          env=backend_env(provider_name, tmp_path), capture_output=True,
-                          text=True,
-                          timeout=2 * START_S)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "rdma://  scheduler rdma://" in proc.stdout, proc.stdout
-    assert "worker-to-worker move of 2 MiB" in proc.stdout
-    assert "results: the same" in proc.stdout
