@@ -41,9 +41,12 @@ from aiordma.dask import frames as fr  # noqa: E402
 
 pytestmark = pytest.mark.dask
 ADDR = f"rdma://{HOST}"
-#: gen_test's bound on each test: distributed's 30 s, or more in the (emulated) Soft-RoCE
-#: guest, where check_client_server's 21 connections took 43 s
-GEN_TIMEOUT = 300 if os.environ.get("AIORDMA_RXE_GUEST") else 30
+#: gen_test's bound on each test and Dask's connect timeout: distributed's 30 s, or more
+#: in the (emulated) Soft-RoCE guest, where check_client_server's 20 concurrent
+#: connections, set up one after another by the listener, outlast Dask's 30 s connect
+_GUEST = bool(os.environ.get("AIORDMA_RXE_GUEST"))
+GEN = {"timeout": 300 if _GUEST else 30,
+       "config": {"distributed__comm__timeouts__connect": "240s"} if _GUEST else {}}
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +75,7 @@ async def _pair(upstream: ModuleType, **kwargs: Any) -> tuple[RDMAComm, RDMAComm
 
 
 # ---------------------------------------------------------------- distributed's checks
-@gen_test(timeout=GEN_TIMEOUT)
+@gen_test(**GEN)
 async def test_client_server(upstream: ModuleType) -> None:
     await upstream.check_client_server(ADDR, upstream.tcp_eq(HOST))
 
@@ -89,7 +92,7 @@ def test_client_server_any_interface(upstream: ModuleType) -> None:
                                test], env=env, capture_output=True, text=True, timeout=240)
         assert proc.returncode == 0 and " passed" in proc.stdout, proc.stdout + proc.stderr
         return
-    gen_test(timeout=GEN_TIMEOUT)(_any_interface)(upstream)
+    gen_test(**GEN)(_any_interface)(upstream)
 
 
 async def _any_interface(upstream: ModuleType) -> None:
@@ -97,12 +100,12 @@ async def _any_interface(upstream: ModuleType) -> None:
                                        upstream.tcp_eq(upstream.EXTERNAL_IP4))
 
 
-@gen_test(timeout=GEN_TIMEOUT)
+@gen_test(**GEN)
 async def test_comm_closed_implicit(upstream: ModuleType) -> None:
     await upstream.check_comm_closed_implicit(ADDR)
 
 
-@gen_test(timeout=GEN_TIMEOUT)
+@gen_test(**GEN)
 async def test_comm_closed_explicit(upstream: ModuleType) -> None:
     await upstream.check_comm_closed_explicit(ADDR)
 
@@ -115,22 +118,22 @@ def closed_port() -> Iterator[int]:
         yield s.getsockname()[1]
 
 
-@gen_test(timeout=GEN_TIMEOUT)
+@gen_test(**GEN)
 async def test_connect_timeout(upstream: ModuleType, closed_port: int) -> None:
     await upstream.check_connect_timeout(f"{ADDR}:{closed_port}")
 
 
-@gen_test(timeout=GEN_TIMEOUT)
+@gen_test(**GEN)
 async def test_many_listeners(upstream: ModuleType) -> None:
     await upstream.check_many_listeners(ADDR)
 
 
-@gen_test(timeout=GEN_TIMEOUT)
+@gen_test(**GEN)
 async def test_deserialize(upstream: ModuleType) -> None:
     await upstream.check_deserialize(ADDR)
 
 
-@gen_test(timeout=GEN_TIMEOUT)
+@gen_test(**GEN)
 async def test_deserialize_roundtrip(upstream: ModuleType) -> None:
     try:
         await upstream.check_deserialize_roundtrip(ADDR)
@@ -138,12 +141,12 @@ async def test_deserialize_roundtrip(upstream: ModuleType) -> None:
         await _abort_leftovers()
 
 
-@gen_test(timeout=GEN_TIMEOUT)
+@gen_test(**GEN)
 async def test_deserialize_eoferror(upstream: ModuleType) -> None:
     await upstream.check_deserialize_eoferror(ADDR)
 
 
-@gen_test(timeout=GEN_TIMEOUT)
+@gen_test(**GEN)
 async def test_repr(upstream: ModuleType) -> None:
     a, b = await _pair(upstream)
     assert a.local_address in repr(b)
@@ -151,7 +154,7 @@ async def test_repr(upstream: ModuleType) -> None:
     await upstream.check_repr(a, b)
 
 
-@gen_test(timeout=GEN_TIMEOUT)
+@gen_test(**GEN)
 async def test_addresses(upstream: ModuleType) -> None:
     a, b = await _pair(upstream)
     await upstream.check_addresses(a, b)
@@ -171,7 +174,7 @@ def test_entry_point_resolves_the_scheme(monkeypatch: pytest.MonkeyPatch) -> Non
     assert backend.get_address_host_port("[::1]:99") == ("::1", 99)
 
 
-@gen_test(timeout=GEN_TIMEOUT)
+@gen_test(**GEN)
 async def test_numpy_frames_are_not_staged(upstream: ModuleType) -> None:
     """A large writable frame goes from the sender's array into a buffer of its own at
     the receiver: no staging copy on either side; what arrives is equal and writable."""
@@ -190,7 +193,7 @@ async def test_numpy_frames_are_not_staged(upstream: ModuleType) -> None:
     b.abort()
 
 
-@gen_test(timeout=GEN_TIMEOUT)
+@gen_test(**GEN)
 async def test_writes_in_flight_share_memory(upstream: ModuleType) -> None:
     """Writes return before the peer reads: the same array, and a slice of it, in
     flight together are all sent from the memory they lie in (a region one write
@@ -212,7 +215,7 @@ async def test_writes_in_flight_share_memory(upstream: ModuleType) -> None:
     b.abort()
 
 
-@gen_test(timeout=GEN_TIMEOUT)
+@gen_test(**GEN)
 async def test_frames_cut_into_pieces(upstream: ModuleType,
                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """A frame longer than a piece travels in several aiordma messages (both sides
@@ -229,7 +232,7 @@ async def test_frames_cut_into_pieces(upstream: ModuleType,
     b.abort()
 
 
-@gen_test(timeout=GEN_TIMEOUT)
+@gen_test(**GEN)
 async def test_cancelled_read_closes_the_comm(upstream: ModuleType) -> None:
     a, b = await _pair(upstream)
     with pytest.raises(asyncio.TimeoutError):
@@ -241,7 +244,7 @@ async def test_cancelled_read_closes_the_comm(upstream: ModuleType) -> None:
     await b.close()
 
 
-@gen_test(timeout=GEN_TIMEOUT)
+@gen_test(**GEN)
 async def test_peer_abort_fails_reads_and_writes(upstream: ModuleType) -> None:
     a, b = await _pair(upstream)
     b.abort()
@@ -252,7 +255,7 @@ async def test_peer_abort_fails_reads_and_writes(upstream: ModuleType) -> None:
     assert a.closed()
 
 
-@gen_test(timeout=GEN_TIMEOUT)
+@gen_test(**GEN)
 async def test_malformed_head_closes_the_comm(upstream: ModuleType) -> None:
     a, b = await _pair(upstream)
     assert a.endpoint is not None
@@ -263,7 +266,7 @@ async def test_malformed_head_closes_the_comm(upstream: ModuleType) -> None:
     a.abort()
 
 
-@gen_test(timeout=GEN_TIMEOUT)
+@gen_test(**GEN)
 async def test_options_from_dask_config(upstream: ModuleType) -> None:
     with dask.config.set({"distributed.comm.rdma": {"eager_size": 4096}}):
         a, b = await _pair(upstream)
@@ -278,7 +281,7 @@ async def test_options_from_dask_config(upstream: ModuleType) -> None:
             await connect(f"{ADDR}:1", timeout=1)
 
 
-@gen_test(timeout=GEN_TIMEOUT)
+@gen_test(**GEN)
 async def test_require_encryption_refuses_the_scheme() -> None:
     with pytest.raises(RuntimeError, match="encryption required"):
         await connect(f"{ADDR}:1", timeout=1, require_encryption=True)
