@@ -41,12 +41,15 @@ from aiordma.dask import frames as fr  # noqa: E402
 
 pytestmark = pytest.mark.dask
 ADDR = f"rdma://{HOST}"
-#: gen_test's bound on each test and Dask's connect timeout: distributed's 30 s, or more
-#: in the (emulated) Soft-RoCE guest, where check_client_server's 20 concurrent
-#: connections, set up one after another by the listener, outlast Dask's 30 s connect
+#: gen_test's bound on each test, Dask's connect timeout and aiordma's per-step handshake
+#: timeout: the defaults, or more in the (emulated) Soft-RoCE guest, where
+#: check_client_server's 20 concurrent connections, set up one after another by the
+#: listener's loop, took 160 s (so a step of one could outlast aiordma's 10 s)
 _GUEST = bool(os.environ.get("AIORDMA_RXE_GUEST"))
-GEN = {"timeout": 300 if _GUEST else 30,
-       "config": {"distributed__comm__timeouts__connect": "240s"} if _GUEST else {}}
+GEN: dict[str, Any] = {"timeout": 30, "config": {}}
+if _GUEST:
+    GEN = {"timeout": 400, "config": {"distributed__comm__timeouts__connect": "300s",
+                                      "distributed__comm__rdma": {"handshake_timeout": 120}}}
 
 
 @pytest.fixture(scope="module")
