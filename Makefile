@@ -7,11 +7,13 @@ COUNT ?= 200
 
 _NATIVE_SO = $(wildcard aiordma/*.so aiordma/*/*.so aiordma/*/*/*.so)
 
-.PHONY: native native-prereqs clean-native test-native setup echo test test-fast test-rxe test-rxe-all test-rxe-bookworm test-rxe-compat lint bench bench-rxe clean
+
+.PHONY: bench-cost
+.PHONY: native native-prereqs clean-native test-native test-wheel results setup echo test test-fast test-net net-prereqs bench-net test-rxe test-rxe-all test-rxe-bookworm test-rxe-compat lint bench bench-rxe clean
 
 $(VENV)/.stamp: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q --upgrade pip 'setuptools>=77'
 	$(PY) -m pip install -q -e '.[test]'
 	touch $@
 
@@ -30,17 +32,33 @@ echo: setup
 	AIORDMA_PROVIDER=soft $(PY) examples/echo_pair.py --count $(COUNT) --size $(SIZES)
 
 ## Fast tier: unit, sans-IO and provider-parametrised tests on `soft`, both loops,
-## plus mypy and ruff.
+## plus mypy and ruff (the two-host tests are test-net's).
 test-fast: setup
-	AIORDMA_PROVIDER=soft $(PY) -m pytest -q
+	AIORDMA_PROVIDER=soft $(PY) -m pytest -q -m "not netns"
 
-## The test command (README, .ci/run): the fast tier, the fast tier again on the native
-## (mypyc) build, then the same suite on real verbs
-## (rdma_rxe) inside the Soft-RoCE VM: forky (pyverbs 65), then the compat run on bookworm (44).
-test: test-fast test-native test-rxe test-rxe-compat
+## Two hosts on this machine (network namespaces joined by a veth pair, root): `soft`
+## over TCP between them, the endpoint API, traffic under loss/delay/reordering/
+## duplication, and the faults a network has (link down, total loss, paused, killed
+## and vanished peers), with the figures they measured printed at the end.
+test-net: setup net-prereqs
+	AIORDMA_PROVIDER=soft $(PY) -m pytest -q -rs -m netns
+
+# iproute2 (ip netns) and iptables, installed with apt-get when missing (as root).
+net-prereqs:
+	@if ! command -v ip >/dev/null 2>&1 || ! command -v iptables >/dev/null 2>&1; then \
+		command -v apt-get >/dev/null 2>&1 || { echo "make test-net: needs iproute2 and iptables"; exit 1; }; \
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq iproute2 iptables; \
+	fi
+
+## The test command (README, .ci/run): the fast tier, the two-host tier, the fast tier
+## again on the native (mypyc) build, the package as a user installs it, then the same
+## suite on real verbs (rdma_rxe) inside the Soft-RoCE VM: forky (pyverbs 65), then the
+## compat run on bookworm (44).
+test: test-fast test-net test-native test-wheel test-rxe test-rxe-compat
 
 lint: setup
-	$(PY) -m ruff check aiordma tests examples benchmarks
+	$(PY) -m ruff check aiordma tests examples
 	$(PY) -m mypy
 
 clean: clean-native
@@ -77,23 +95,41 @@ test-native: setup native-prereqs
 	cd $(NATIVE_TREE) && $(BUILD_NATIVE) >build.log 2>&1 || { tail -50 build.log; exit 1; }
 	cd $(NATIVE_TREE) && AIORDMA_PROVIDER=soft AIORDMA_EXPECT_BUILD=mypyc \
 		AIORDMA_DISTRIBUTED_TESTS=$(abspath $(DIST_TESTS)) \
-		$(abspath $(PY)) -m pytest -q -p no:cacheprovider -m "not lint"
+		$(abspath $(PY)) -m pytest -q -p no:cacheprovider -m "not lint and not netns"
+
+## The package as a user gets it: build the sdist and, from it, the wheel (build/dist),
+## install the wheel alone into a fresh venv (build/wheel-venv, no index, no checkout on
+## its path), then, from an empty directory, check what it installed and run the
+## examples, the README's quick start, aiordma doctor and a short aiordma bench with it
+## (tests/wheel_check.py).
+DIST := build/dist
+WHEEL_VENV := build/wheel-venv
+test-wheel: setup
+	rm -rf $(DIST) $(WHEEL_VENV) && mkdir -p $(DIST)
+	$(PY) -m build --outdir $(DIST) . >build/dist.log 2>&1 || { tail -30 build/dist.log; exit 1; }
+	@! grep -i 'license.*deprecated' build/dist.log || { echo "test-wheel: the license metadata is deprecated"; exit 1; }
+	$(PYTHON) -m venv $(WHEEL_VENV)
+	$(WHEEL_VENV)/bin/python -m pip install -q --no-index $(DIST)/aiordma-*.whl
+	d=$$(mktemp -d) && cd "$$d" && env -u PYTHONPATH AIORDMA_PROVIDER=soft \
+		$(abspath $(WHEEL_VENV))/bin/python $(CURDIR)/tests/wheel_check.py $(abspath $(DIST)) $(CURDIR); \
+		rc=$$?; rm -rf "$$d"; exit $$rc
 
 ## Soft-RoCE VM tier (tests/rxe/README.md): the suite on real verbs (rdma_rxe) in a
 ## throw-away Debian VM under qemu. forky: rdma-core/pyverbs 65; bookworm: 44.
 # The provider-parametrised suite (the provider-independent tests ran in the fast tier):
 # the verbs layer, endpoints, EOF/close and the multi-process tests on both loops; the
 # layers above the endpoint (Transports/Protocols, streams, the examples as separate
-# processes, one device shared by loops in threads, the Dask backend: distributed's
-# comm checks and a cluster end to end, with Debian's python3-distributed) on uvloop only -- they use nothing
-# of the provider but the endpoint, and the fast tiers run them on both loops. (Both
-# loops everywhere took 12 min of CI's ~31 on a slow host; `make test-rxe-all` runs it.)
+# processes, one device shared by loops in threads, the aiordma command, the README's
+# code, the Dask backend with Debian's python3-distributed) on uvloop only -- they use
+# nothing of the provider but the endpoint, and the fast tiers run them on both loops.
+# (Both loops everywhere took 12 min of CI's ~31 on a slow host; `make test-rxe-all`
+# runs it.)
 RXE_TESTS ?= tests/test_verbs_provider.py tests/test_ibverbs_compat.py tests/test_endpoint.py \
 	tests/test_endpoint_eof.py tests/test_multiprocess.py
 RXE_TESTS_ONE_LOOP ?= tests/test_rdma_transport.py tests/test_streams.py \
-	tests/test_examples_protocols.py tests/test_device_threads.py \
-	tests/test_dask_comms.py tests/test_dask_cluster.py
-RXE_PYTEST = python3 -m pytest -p no:cacheprovider -q -rfE --durations=10
+	tests/test_examples_protocols.py tests/test_device_threads.py tests/test_cli.py \
+	tests/test_docs.py tests/test_dask_comms.py tests/test_dask_cluster.py
+RXE_PYTEST = python3 -m pytest -p no:cacheprovider -q -rfEs --durations=10
 RXE_BOTH = -k "not tcp"
 # (pytest-asyncio marks every async test "asyncio": those run on uvloop only, the rest
 # (synchronous tests, examples as processes) as usual)
@@ -122,13 +158,36 @@ test-rxe-compat:
 	AIORDMA_RXE_SUITE=bookworm bash tests/rxe/run-vm.sh -- $(RXE_PYTEST) $(RXE_UVLOOP) \
 		$(RXE_COMPAT_TESTS)
 
-## Benchmarks (README, "Benchmarks"): aiordma on the soft provider side by side with
+## Benchmarks (docs/benchmarks.md): aiordma on the soft provider side by side with
 ## asyncio TCP/Unix sockets and a memcpy ceiling, measured in the same run; a short set.
 ## More: python -m aiordma bench --help (e.g. BENCH_ARGS="--sizes 8-16M --plot bench.png").
 BENCH_ARGS ?= --tests send_lat,write_lat,read_lat,send_bw,write_bw,msg_rate,reactor \
 	--sizes 64,4K,1M --iters 1000 --max-seconds 2 --baselines tcp-proto,unix-proto,memcpy
 bench: setup
 	AIORDMA_PROVIDER=soft $(PY) -m aiordma bench $(BENCH_ARGS)
+
+## What a 64 B round trip costs the client: user-space instructions (callgrind) and
+## Python calls, aiordma on soft against uvloop TCP (installs valgrind where missing).
+bench-cost: setup
+	@command -v valgrind >/dev/null 2>&1 || { SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq valgrind; }
+	AIORDMA_PROVIDER=soft $(PY) -m aiordma bench --tests cost --baselines none
+
+## The current results of README.md and docs/benchmarks.md: run the bench, keep its
+## document and plot under docs/results/, and rewrite both tables from the document.
+RESULTS_ARGS ?= --provider soft --tests send_lat,write_lat,read_lat,atomic_lat,send_bw,write_bw,msg_rate \
+	--sizes 64,4K,1M --iters 1000 --max-seconds 2 --rounds 3 --baselines tcp-proto,unix-proto,memcpy
+results: setup
+	$(PY) -m pip install -q -e '.[test,plot]'
+	$(PY) -m aiordma bench $(RESULTS_ARGS) --save docs/results/current.json --plot docs/results/current.png
+	$(PY) -m aiordma.bench.report docs/results/current.json --update README.md docs/benchmarks.md
+
+## soft between two network namespaces against plain TCP on the same link, measured in
+## the same run: clean, 10% loss, reordering, delay; a receiver paused 3 s (root; about 4
+## minutes). BENCH_NET_ARGS="--sweep 15,16,17,18,19": the retry-policy sweep of docs/networks.md.
+BENCH_NET_ARGS ?=
+bench-net: setup net-prereqs
+	$(PY) -m aiordma.bench.network $(BENCH_NET_ARGS)
 
 ## The same harness on real verbs in the Soft-RoCE VM: aiordma's `verbs` provider against
 ## a synchronous busy-polling pyverbs program and perftest (ib_send_lat, ib_write_bw)

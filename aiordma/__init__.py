@@ -2,7 +2,7 @@
 
 ``await ep.send()``/``recv()``, one-sided ``read``/``write``, atomics, on real RDMA
 devices (``verbs`` provider, rdma-core's pyverbs) or on any machine (``soft``
-provider). See DESIGN.md for the layers and README.md for usage.
+provider). README.md is the manual; docs/design.md describes the layers.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from .errors import (
     LocalLengthError,
     LocalProtectionError,
     MessageTooLarge,
+    PeerUnresponsive,
     PostError,
     RDMAError,
     RegistrationError,
@@ -55,16 +56,17 @@ def list_devices() -> list[DeviceInfo]:
 _warn_if_stale()
 
 
+#: the asyncio Protocol and streams helpers, loaded on first use so that the core
+#: imports stay small: name -> the submodule that defines it
+_LAZY = {"create_connection": "transport", "create_server": "transport",
+         "RDMATransport": "transport", "open_connection": "streams", "start_server": "streams"}
+
+
 def __getattr__(name: str) -> Any:
-    # Protocol/stream helpers (issue 4) load lazily so the core imports stay small.
-    if name in ("create_connection", "create_server", "RDMATransport"):
-        from . import transport
+    if name in _LAZY:
+        import importlib
 
-        return getattr(transport, name)
-    if name in ("open_connection", "start_server"):
-        from . import streams
-
-        return getattr(streams, name)
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
     raise AttributeError(f"module 'aiordma' has no attribute {name!r}")
 
 
@@ -72,8 +74,9 @@ __all__ = [
     "AuthenticationError", "HandshakeTimeout", "ResourceLimitError",
     "CompletionError", "ConnectionClosed", "ConnectionRefused", "CQOverrunError", "Device",
     "DeviceError", "DeviceInfo", "Endpoint", "FlushedError", "HandshakeError", "Listener",
-    "LocalLengthError", "LocalProtectionError", "MemoryRegion", "MessageTooLarge", "PortInfo",
+    "LocalLengthError", "LocalProtectionError", "MemoryRegion", "MessageTooLarge", "PeerUnresponsive", "PortInfo",
     "PostError", "RDMAError", "RegistrationError", "RemoteAccessError",
     "RemoteInvalidRequestError", "RemoteOperationError", "RemoteBuffer", "RetryExceededError",
     "RNRRetryExceededError", "connect", "list_devices", "listen", "open_device",
+    *_LAZY,
 ]

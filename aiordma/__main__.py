@@ -1,43 +1,41 @@
 """``python -m aiordma`` (also the ``aiordma`` script).
 
     python -m aiordma devices           # the RDMA devices this machine offers
-    python -m aiordma bench [OPTIONS]   # benchmarks (code under benchmarks/, --help)
-
-The benchmark harness lives in the source tree's ``benchmarks/`` package, outside the
-installed package: run it from a checkout (the repository root is put on ``sys.path``
-when ``benchmarks`` is not importable otherwise).
+    python -m aiordma doctor            # what works here and what does not (exit 0 or 1)
+    python -m aiordma bench [OPTIONS]   # benchmarks (aiordma.bench, --help)
 """
 
 from __future__ import annotations
 
-import os
 import sys
 
-USAGE = "usage: python -m aiordma {devices,bench} [options]  (bench --help for its options)"
+USAGE = ("usage: python -m aiordma {devices,doctor,bench} [options]  "
+         "(doctor --help, bench --help for theirs)")
 
 
-def _bench(argv: list[str]) -> int:
-    try:
-        from benchmarks.cli import main as bench_main
-    except ImportError:
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        if not os.path.isfile(os.path.join(root, "benchmarks", "cli.py")):
-            print("aiordma bench: the benchmarks/ package is not here; run it from a "
-                  "source checkout of aiordma", file=sys.stderr)
-            return 2
-        sys.path.insert(0, root)
-        from benchmarks.cli import main as bench_main
-    return bench_main(argv)
-
-
-def _devices() -> int:
+def _devices(argv: list[str]) -> int:
     from .verbs import list_devices
 
     for d in list_devices():
-        ports = ", ".join(f"port {p.port_num}: {p.state.name} mtu={int(p.active_mtu)}"
+        ports = ", ".join(f"port {p.port_num}: {p.state.name} mtu={p.active_mtu.bytes}"
                           for p in d.ports)
         print(f"{d.name:12s} provider={d.provider:6s} active={d.active}  {ports}")
     return 0
+
+
+def _doctor(argv: list[str]) -> int:
+    from .doctor import main as doctor_main
+
+    return doctor_main(argv)
+
+
+def _bench(argv: list[str]) -> int:
+    from .bench.cli import main as bench_main
+
+    return bench_main(argv)
+
+
+COMMANDS = {"devices": _devices, "doctor": _doctor, "bench": _bench}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,13 +43,11 @@ def main(argv: list[str] | None = None) -> int:
     if not args or args[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if args else 2
-    cmd, rest = args[0], args[1:]
-    if cmd == "bench":
-        return _bench(rest)
-    if cmd == "devices":
-        return _devices()
-    print(f"aiordma: unknown command {cmd!r}\n{USAGE}", file=sys.stderr)
-    return 2
+    cmd = COMMANDS.get(args[0])
+    if cmd is None:
+        print(f"aiordma: unknown command {args[0]!r}\n{USAGE}", file=sys.stderr)
+        return 2
+    return cmd(args[1:])
 
 
 if __name__ == "__main__":

@@ -36,8 +36,7 @@ Poll policy (``AIORDMA_POLL_MODE``, ``AIORDMA_SPIN_US``):
   event: no event read and no re-arm per completion, and less work for the device),
   and the tick that ends the spin arms it and polls it once more (fact 1), so nothing
   is lost. The spin costs CPU only for ``spin_us`` after the last activity. The
-  spin must outlast the peer's turnaround to save its wake-up (pure build: about 100 us
-  here, native build: about 25 us).
+  spin must outlast the peer's turnaround to save its wake-up.
 
   The spin adapts; it goes *quiet* (behaves as ``blocking``) for a back-off time when
 
@@ -60,12 +59,10 @@ Poll policy (``AIORDMA_POLL_MODE``, ``AIORDMA_SPIN_US``):
   of its end); a later one starts from the minimum again. ``statistics()`` counts
   ``spin_preempted``, ``spin_missed`` and ``quiet_periods``.
 
-  Why it is the default (README, "Poll mode"): on free cores it cuts a 64 B round trip
-  2-4x against ``blocking``, with no more CPU per operation (waking a sleeping process
-  costs more than the spin). A spin that does not adapt falls off a cliff when the
-  cores are shared: with a test suite running beside a ping-pong, each side spun out
-  its budget while the other waited for a core, 713 against 105 us per round trip. The
-  adaptive spin stays with ``blocking`` there (about 100-160 us both).
+  Why it is the default: on free cores it saves the wake-up of a sleeping process,
+  which costs more than the spin, and a spin that does not adapt falls off a cliff
+  when the cores are shared (each side spins out its budget while the other waits for
+  a core); docs/benchmarks.md, "Poll mode", has the measurements.
 * ``polling``: while operations are outstanding, poll once per loop iteration
   (``call_soon``), never arming; when nothing is outstanding, arm and block. (A polled
   CQ's event is read and it is left disarmed, as in ``hybrid``'s spin; the tick that

@@ -219,7 +219,7 @@ class Listener:
             ready = await _read_message(reader, decoder, o.handshake_timeout, "READY")
             if not isinstance(ready, Ready):
                 raise HandshakeError(f"expected READY, got {type(ready).__name__}")
-            ep.start(reader, writer)
+            ep.start(reader, writer, accepting=True)
             return ep
         except BaseException:
             await _discard(writer, ep)

@@ -28,8 +28,15 @@ __all__ = ["mypyc_attr", "MODULES", "compiled_modules", "build", "stale_modules"
 #: the modules ``make native`` compiles (setup.py reads this list)
 MODULES: tuple[str, ...] = (
     "aiordma.endpoint",
+    "aiordma.resources",
+    "aiordma.lifecycle",
+    "aiordma.protocol.engine",
+    "aiordma.protocol.sender",
+    "aiordma.protocol.receiver",
+    "aiordma.protocol.ops",
+    "aiordma.protocol.state",
     "aiordma.cq_reactor",
-    "aiordma.sendq",
+    "aiordma.protocol.sendq",
     "aiordma.memory",
     "aiordma.protocol.credits",
     "aiordma.verbs.wr",

@@ -20,9 +20,8 @@ Mapping onto one ``Endpoint`` (a reliable, message-oriented RDMA connection):
   small writes are coalesced into messages of at most ``write_chunk_size`` bytes (one
   ``Endpoint.send`` each, at most ``_MAX_INFLIGHT`` in flight). The default chunk is the
   endpoint's ``eager_payload`` (16 KiB - 8 by default): such messages travel in one SEND
-  and are held back by receive credits alone (measured on ``soft``: 5 MiB streams ~1.4x
-  faster than with 64 KiB rendezvous chunks). The reader gets ``data_received`` chunks;
-  message boundaries are not promised.
+  and are held back by receive credits alone, without a rendezvous' extra round trips.
+  The reader gets ``data_received`` chunks; message boundaries are not promised.
 * Write flow control is asyncio's ``_FlowControlMixin``, thresholds and texts included:
   the write buffer size is the bytes still queued plus the bytes handed to the endpoint
   and not yet delivered (waiting for receive credits, or posted and not completed).

@@ -51,6 +51,16 @@ def provider_name() -> str:
 
 _PYTEST_ASYNCIO = tuple(int(p) for p in re.findall(r"\d+", pytest_asyncio.__version__)[:2])
 
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    """pyproject sets ``asyncio_default_fixture_loop_scope`` for pytest-asyncio >= 0.24
+    (which warns when it is unset); older ones (Debian bookworm's 0.20) do not declare
+    it, and pytest would warn "Unknown config option": declare it for them (it changes
+    nothing there)."""
+    if _PYTEST_ASYNCIO < (0, 24):  # pragma: no cover - older pytest-asyncio
+        parser.addini("asyncio_default_fixture_loop_scope",
+                      "pytest-asyncio >= 0.24's option; this pytest-asyncio ignores it")
+
 try:  # pytest-asyncio >= 1.3: loop factories parametrise only the async tests
     from pytest_asyncio.plugin import PytestAsyncioSpecs  # noqa: F401
 
@@ -162,3 +172,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         marker = item.get_closest_marker("timeout")
         seconds = float(marker.args[0]) if marker and marker.args else ASYNC_TEST_TIMEOUT
         item.obj = _with_hard_timeout(fn, seconds)  # type: ignore[attr-defined]
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """The figures tests measured (``_peers.figure``: fault detection times, traffic
+    under faults), after the run: printed, never asserted on."""
+    from _peers import FIGURES
+
+    if FIGURES:
+        terminalreporter.section("measured figures")
+        for line in FIGURES:
+            terminalreporter.write_line(line)

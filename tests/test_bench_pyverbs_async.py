@@ -1,4 +1,4 @@
-"""The ``pyverbs-async`` baseline's CQ poller (benchmarks/pyverbs_async.py), against a
+"""The ``pyverbs-async`` baseline's CQ poller (aiordma/bench/pyverbs_async.py), against a
 fake verbs object: completions resolve Futures in order, early receives are kept only
 while banking, cancelled waiters are skipped, an error completion fails every waiter,
 and the poller stops once nothing waits. (The baseline itself runs on real verbs in
@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks.pyverbs_async import _RECV_ID, _SEND_ID, _Poller
+from aiordma.bench.pyverbs_async import _RECV_ID, _SEND_ID, _Poller
 
 
 class FakeVerbs:

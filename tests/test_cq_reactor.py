@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 
+from aiordma.bench.fakecq import FakeCQ, FakeCtx
 from aiordma.cq_reactor import _MISS_LIMIT, CQReactor, future_handler, poll_settings
 from aiordma.errors import RemoteAccessError
 from aiordma.verbs import WC, WCOpcode, WCStatus
-from benchmarks.fakecq import FakeCQ, FakeCtx
 
 
 def _wc(wr_id: int, status: WCStatus = WCStatus.SUCCESS) -> WC:

@@ -325,7 +325,7 @@ async def test_a_batch_of_large_writes_signals_each(opts: dict, signal_bytes: in
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """Writes posted together as one batch: each of at least ``signal_bytes`` is
     signaled (its task resumes when it is done, not when the whole batch is), and with
-    a larger ``signal_bytes`` only the batch's last one is (aiordma.sendq)."""
+    a larger ``signal_bytes`` only the batch's last one is (aiordma.protocol.sendq)."""
     size = 64 * 1024
     async with pair(opts, signal_bytes=signal_bytes) as (ep, q):
         srv = await server_ep(q)
@@ -406,6 +406,21 @@ async def test_long_transfers_are_posted_in_max_wr_size_pieces(opts: dict) -> No
 def test_max_wr_size_is_validated() -> None:
     with pytest.raises(ValueError, match="max_wr_size must be >= 4 KiB"):
         EndpointOptions.from_kwargs({"max_wr_size": 100})
+
+
+def test_ack_timeout_and_retry_cnt_options() -> None:
+    from aiordma.verbs.soft.requester import local_ack_timeout_s
+
+    o = EndpointOptions()
+    assert (o.qp_timeout("soft"), o.qp_timeout("verbs"), o.retry_cnt) == (18, 14, 7)
+    assert EndpointOptions.from_kwargs({"ack_timeout": 0}).qp_timeout("soft") == 0
+    for bad in ({"ack_timeout": 32}, {"ack_timeout": -1}, {"retry_cnt": 8}, {"retry_cnt": -1}):
+        with pytest.raises(ValueError):
+            EndpointOptions.from_kwargs(bad)
+    # soft: one try is 4.096 us * 2**timeout, at least 2**15 of them; 0 waits forever
+    assert local_ack_timeout_s(0) is None
+    assert local_ack_timeout_s(18) == pytest.approx(1.073741824)
+    assert local_ack_timeout_s(3) == local_ack_timeout_s(15) == pytest.approx(0.134217728)
 
 
 async def test_atomics(opts: dict) -> None:
@@ -831,7 +846,7 @@ async def test_soak_random_sizes_and_cancellations(opts: dict) -> None:
 
 
 async def test_soak_parallel_connections_send_cancellations_and_aborts(opts: dict) -> None:
-    """RELIABILITY.md's soak: four connections at once, random sizes (eager, BATCH,
+    """docs/reliability.md's soak: four connections at once, random sizes (eager, BATCH,
     rendezvous), random send cancellations, two connections aborted midway (one by each
     side). On every connection the receiver gets, in order and once each, a subsequence
     of what was attempted that holds every send that returned; the survivors get their

@@ -1,4 +1,4 @@
-"""DESIGN.md's layers: imports only go downward; pyverbs only in the verbs provider;
+"""The layers of docs/design.md: imports only go downward; pyverbs only in the verbs provider;
 no asyncio in the sans-IO protocol package; no provider imports above aiordma/verbs/."""
 
 from __future__ import annotations
@@ -17,20 +17,23 @@ LAYERS: dict[str, int] = {
     "protocol": 1,
     "memory": 2,
     "options": 2,
-    "sendq": 2,
     "acceptor": 2,
     "cq_reactor": 3,
     "device": 4,
-    "endpoint": 5,
-    "connection": 6,
-    "listener": 6,
-    "transport": 7,
-    "rdma_transport": 7,
-    "streams": 8,
-    "dask": 9,  # the rdma:// backend of distributed, over the public API
-    "__init__": 9,
-    "__main__": 10,
-    "bench": 10,
+    "liveness": 4,
+    "resources": 5,
+    "lifecycle": 5,
+    "endpoint": 6,
+    "connection": 7,
+    "listener": 7,
+    "transport": 8,
+    "rdma_transport": 8,
+    "streams": 9,
+    "dask": 10,  # the rdma:// backend of distributed, over the public API
+    "__init__": 10,
+    "__main__": 11,
+    "bench": 11,
+    "doctor": 11,
 }
 
 
@@ -86,29 +89,41 @@ def test_imports_only_go_downward() -> None:
     assert not bad, "\n".join(bad)
 
 
+#: the benchmark harness: its ``pyverbs`` baselines are the bare pyverbs programs aiordma
+#: is measured against (they reuse the verbs provider's compatibility shims), so the two
+#: provider rules below do not bind it; it sits above everything else (layer 10)
+BENCH = PKG / "bench"
+
+
+def _library_files() -> list[pathlib.Path]:
+    return [f for f in _files() if BENCH not in f.parents]
+
+
 def test_pyverbs_only_in_the_verbs_provider() -> None:
     allowed = PKG / "verbs" / "ibverbs"
-    bad = [f"{f}:{line}: {t}" for f in _files() for t, line in _imports(f)
+    bad = [f"{f}:{line}: {t}" for f in _library_files() for t, line in _imports(f)
            if t.split(".")[0] == "pyverbs" and allowed not in f.parents and f != allowed.with_suffix(".py")]
     assert not bad, "\n".join(bad)
 
 
 def test_protocol_is_sans_io() -> None:
     forbidden = {"asyncio", "socket", "selectors", "threading", "aiordma.verbs"}
+    records = {"aiordma.verbs.wr"}  # work requests and completions: plain records
     bad = [f"{f}:{line}: {t}" for f in (PKG / "protocol").rglob("*.py") for t, line in _imports(f)
-           if any(t == x or t.startswith(x + ".") for x in forbidden)]
+           if t not in records and any(t == x or t.startswith(x + ".") for x in forbidden)]
     assert not bad, "\n".join(bad)
 
 
 def test_no_provider_imports_above_verbs() -> None:
-    bad = [f"{f}:{line}: {t}" for f in _files() if "verbs" not in f.relative_to(PKG).parts[:1]
+    bad = [f"{f}:{line}: {t}" for f in _library_files()
+           if "verbs" not in f.relative_to(PKG).parts[:1]
            for t, line in _imports(f)
            if t.startswith("aiordma.verbs.soft") or t.startswith("aiordma.verbs.ibverbs")]
     assert not bad, "\n".join(bad)
 
 
 def test_asyncio_only_above_the_reactor() -> None:
-    low = ("errors", "verbs", "protocol", "memory", "options", "sendq")
+    low = ("errors", "verbs", "protocol", "memory", "options")
     bad = [f"{f}:{line}" for f in _files() if _module_key(f) in low
            for t, line in _imports(f) if t == "asyncio"]
     assert not bad, "event-loop code below cq_reactor: " + ", ".join(bad)

@@ -13,7 +13,7 @@ from aiordma.protocol import (
     RemoteProtocolError,
     State,
 )
-from aiordma.protocol.state import TRANSITIONS
+from aiordma.protocol.state import TRANSITIONS, Local, Remote
 
 E, S = Event, State
 
@@ -28,7 +28,7 @@ def drive(*events: Event) -> ConnectionState:
 def test_initial_state() -> None:
     cs = ConnectionState()
     assert cs.state is S.OPEN and cs.can_send and cs.can_receive and not cs.closed
-    assert repr(cs) == "<ConnectionState OPEN>"
+    assert repr(cs) == "<ConnectionState OPEN local=OPEN remote=OPEN>"
 
 
 @pytest.mark.parametrize(
@@ -86,7 +86,10 @@ def test_table_is_complete_and_fail_always_legal() -> None:
         assert set(row) <= set(Event)
 
 
-@given(st.lists(st.sampled_from(list(Event)), max_size=20))
+CLASSIC = [E.SEND_DATA, E.RECV_DATA, E.SEND_CLOSE, E.RECV_CLOSE, E.FAIL]
+
+
+@given(st.lists(st.sampled_from(CLASSIC), max_size=20))
 def test_random_event_sequences(events: list[Event]) -> None:
     """The machine follows the table exactly; any violation lands in FAILED for good."""
     cs = ConnectionState()
@@ -104,3 +107,66 @@ def test_random_event_sequences(events: list[Event]) -> None:
         assert cs.state is expected
         assert cs.can_send == (expected in (S.OPEN, S.REMOTE_CLOSED))
         assert cs.can_receive == (expected in (S.OPEN, S.LOCAL_CLOSING))
+
+
+# -- the two halves -----------------------------------------------------------------------
+
+L, R = Local, Remote
+
+
+def test_shutdown_drains_then_closes() -> None:
+    cs = drive(E.SEND_DATA, E.SHUT_WR)
+    assert cs.local is L.DRAINING and not cs.can_send and cs.state is S.OPEN
+    assert not cs.final
+    with pytest.raises(LocalProtocolError, match="SEND_DATA after shutting down"):
+        drive(E.SHUT_WR, E.SEND_DATA)
+    cs = drive(E.SHUT_WR, E.CLOSE, E.SHUT_WR, E.SEND_CLOSE, E.CLOSE)
+    assert cs.local is L.CLOSE_SENT and cs.final and cs.state is S.LOCAL_CLOSING
+
+
+def test_peer_gone_after_its_close() -> None:
+    cs = drive(E.RECV_CLOSE, E.SEND_DATA, E.PEER_GONE, E.PEER_GONE)
+    assert cs.remote is R.GONE and not cs.can_send and not cs.can_receive
+    assert cs.state is S.REMOTE_CLOSED and not cs.closed
+    for bad in (E.SEND_DATA, E.SEND_CLOSE):
+        with pytest.raises(LocalProtocolError, match="after the peer went away"):
+            drive(E.RECV_CLOSE, E.PEER_GONE, bad)
+    with pytest.raises(RemoteProtocolError, match="PEER_GONE"):
+        drive(E.PEER_GONE)  # gone without its CLOSE: a failure, not a state
+
+
+@given(st.lists(st.sampled_from(list(Event)), max_size=24))
+def test_halves_follow_their_tables(events: list[Event]) -> None:
+    """Each half moves exactly as its table says; SEND_* to a GONE peer and anything
+    unlisted poison the machine; FAIL fails all but a CLOSED connection."""
+    from aiordma.protocol.state import LOCAL, REMOTE
+
+    cs = ConnectionState()
+    local, remote, failed = L.OPEN, R.OPEN, False
+    for e in events:
+        if e is E.FAIL:
+            cs.handle(e)
+            failed = True
+        else:
+            if e in (E.SEND_DATA, E.SEND_CLOSE, E.SHUT_WR, E.CLOSE):
+                nxt = None if failed else LOCAL[local].get(e)
+                if nxt is not None and e in (E.SEND_DATA, E.SEND_CLOSE) and remote is R.GONE:
+                    nxt = None
+                ok, who = nxt is not None, LocalProtocolError
+            else:
+                nxt = None if failed else REMOTE[remote].get(e)
+                ok, who = nxt is not None, RemoteProtocolError
+            if ok:
+                cs.handle(e)
+                if e in (E.SEND_DATA, E.SEND_CLOSE, E.SHUT_WR, E.CLOSE):
+                    local = nxt  # type: ignore[assignment]
+                else:
+                    remote = nxt  # type: ignore[assignment]
+            else:
+                with pytest.raises(who):
+                    cs.handle(e)
+                failed = True
+        assert cs.failed == failed
+        if not failed:
+            assert (cs.local, cs.remote) == (local, remote)
+        assert cs.can_send == (not failed and local is L.OPEN and remote is not R.GONE)

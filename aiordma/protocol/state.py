@@ -1,20 +1,33 @@
-"""Connection state machine of an endpoint (h11 style: a table of legal transitions).
+"""Connection state machine of an endpoint (h11 style: tables of legal transitions).
 
-::
+The message engine (``engine.py``) keeps the connection's state here and nowhere else.
+It has two halves and a failure flag, as h11 keeps one state per role:
 
-    OPEN --SEND_CLOSE--> LOCAL_CLOSING --RECV_CLOSE--> CLOSED
-    OPEN --RECV_CLOSE--> REMOTE_CLOSED --SEND_CLOSE--> CLOSED
-    any state --FAIL--> FAILED   (except CLOSED, which stays CLOSED)
+* **our side** (``Local``): what we may still send::
 
-SEND_DATA is legal while we have not sent CLOSE (OPEN, REMOTE_CLOSED); RECV_DATA while the
-peer has not (OPEN, LOCAL_CLOSING). RNDV counts as DATA. CREDIT and RNDV_DONE frames are
-flow-control bookkeeping, not state events: they are legal in both directions until the
-connection is CLOSED or FAILED (a peer that has sent CLOSE must still acknowledge our
-rendezvous messages and return credits).
+      OPEN --SHUT_WR / CLOSE--> DRAINING --SEND_CLOSE--> CLOSE_SENT
+      OPEN --SEND_CLOSE--> CLOSE_SENT
 
-An event not in the table raises ``LocalProtocolError`` (SEND_*: we broke the rules) or
-``RemoteProtocolError`` (RECV_*: the peer did) and poisons the machine: the state becomes
-FAILED and every later event other than FAIL raises again.
+  ``SHUT_WR`` (``send_eof()``) and ``CLOSE`` (``close()``) both stop new data; our CLOSE
+  frame goes once what was sent before is delivered (``SEND_CLOSE``). ``CLOSE`` also
+  marks the connection *final*: once our CLOSE is out, no further frame is sent (no
+  credit returns), since nothing will be received any more.
+* **the peer's side** (``Remote``): what may still arrive::
+
+      OPEN --RECV_CLOSE--> CLOSED --PEER_GONE--> GONE
+
+  ``PEER_GONE``: after its CLOSE, the peer's endpoint went away (its setup connection
+  ended): what arrived stays readable, nothing can reach it any more.
+* ``FAIL`` (an error, an abort, the peer gone without CLOSE) makes the connection
+  FAILED, for good. A connection whose two CLOSEs have crossed is CLOSED, and stays so.
+
+Legal events: SEND_DATA while our side is OPEN and the peer is not GONE; RECV_DATA while
+the peer's side is OPEN; SEND_CLOSE once, not to a GONE peer; RECV_CLOSE once. CREDIT
+and RNDV_DONE frames are flow-control bookkeeping, not state events. Anything else
+raises ``LocalProtocolError`` (an event of ours) or ``RemoteProtocolError`` (the peer's)
+and poisons the machine: it is FAILED, and every later event other than FAIL raises.
+``state`` summarizes both halves in the five states of the classic table
+(``TRANSITIONS``): OPEN, LOCAL_CLOSING, REMOTE_CLOSED, CLOSED, FAILED.
 """
 
 from __future__ import annotations
@@ -23,7 +36,8 @@ from enum import Enum
 
 from .errors import LocalProtocolError, RemoteProtocolError
 
-__all__ = ["State", "Event", "TRANSITIONS", "ConnectionState"]
+__all__ = ["State", "Local", "Remote", "Event", "TRANSITIONS", "LOCAL", "REMOTE",
+           "ConnectionState"]
 
 
 class State(Enum):
@@ -34,15 +48,47 @@ class State(Enum):
     FAILED = "FAILED"  # error or abort
 
 
+class Local(Enum):
+    OPEN = "OPEN"
+    DRAINING = "DRAINING"  # no new data; our CLOSE follows what was sent before
+    CLOSE_SENT = "CLOSE_SENT"
+
+
+class Remote(Enum):
+    OPEN = "OPEN"
+    CLOSED = "CLOSED"  # its CLOSE arrived
+    GONE = "GONE"  # and then its endpoint went away
+
+
 class Event(Enum):
     SEND_DATA = "SEND_DATA"
     RECV_DATA = "RECV_DATA"
     SEND_CLOSE = "SEND_CLOSE"
     RECV_CLOSE = "RECV_CLOSE"
     FAIL = "FAIL"
+    SHUT_WR = "SHUT_WR"
+    CLOSE = "CLOSE"
+    PEER_GONE = "PEER_GONE"
 
 
-_S, _E = State, Event
+_S, _E, _L, _R = State, Event, Local, Remote
+
+LOCAL: dict[Local, dict[Event, Local]] = {
+    _L.OPEN: {_E.SEND_DATA: _L.OPEN, _E.SHUT_WR: _L.DRAINING, _E.CLOSE: _L.DRAINING,
+              _E.SEND_CLOSE: _L.CLOSE_SENT},
+    _L.DRAINING: {_E.SHUT_WR: _L.DRAINING, _E.CLOSE: _L.DRAINING,
+                  _E.SEND_CLOSE: _L.CLOSE_SENT},
+    _L.CLOSE_SENT: {_E.SHUT_WR: _L.CLOSE_SENT, _E.CLOSE: _L.CLOSE_SENT},
+}
+"""Our side's legal transitions (events of ours)."""
+
+REMOTE: dict[Remote, dict[Event, Remote]] = {
+    _R.OPEN: {_E.RECV_DATA: _R.OPEN, _E.RECV_CLOSE: _R.CLOSED},
+    _R.CLOSED: {_E.PEER_GONE: _R.GONE},
+    _R.GONE: {_E.PEER_GONE: _R.GONE},
+}
+"""The peer's side's legal transitions (events of the peer)."""
+
 TRANSITIONS: dict[State, dict[Event, State]] = {
     _S.OPEN: {
         _E.SEND_DATA: _S.OPEN,
@@ -64,9 +110,10 @@ TRANSITIONS: dict[State, dict[Event, State]] = {
     _S.CLOSED: {_E.FAIL: _S.CLOSED},
     _S.FAILED: {_E.FAIL: _S.FAILED},
 }
-"""Legal transitions: ``TRANSITIONS[state][event] -> next state``."""
+"""The summary: ``TRANSITIONS[state][event] -> next state`` for the frame events."""
 
-_LOCAL_EVENTS = frozenset({_E.SEND_DATA, _E.SEND_CLOSE})
+_LOCAL_EVENTS = frozenset({_E.SEND_DATA, _E.SEND_CLOSE, _E.SHUT_WR, _E.CLOSE})
+_NEEDS_PEER = frozenset({_E.SEND_DATA, _E.SEND_CLOSE})  # illegal to a GONE peer
 _WHY = {
     _S.LOCAL_CLOSING: "after we sent CLOSE",
     _S.REMOTE_CLOSED: "after the peer sent CLOSE",
@@ -76,43 +123,86 @@ _WHY = {
 
 
 class ConnectionState:
-    """Where one endpoint's connection stands. Sans-IO: call ``handle`` for every frame
-    sent or received (before sending, after parsing) and for failures."""
+    """Where one endpoint's connection stands. Sans-IO: ``handle`` every frame sent or
+    received (before sending, after parsing), every shutdown request and failure."""
 
-    __slots__ = ("_state",)
+    __slots__ = ("local", "remote", "failed", "final", "_poisoned")
 
     def __init__(self) -> None:
-        self._state = State.OPEN
+        #: our side (read-only: only ``handle`` changes these; plain attributes, not
+        #: properties, because the data path reads them for every message)
+        self.local = Local.OPEN
+        #: the peer's side
+        self.remote = Remote.OPEN
+        #: FAIL was handled (or an illegal event poisoned the machine): the connection
+        #: is over, nothing more is posted -- also after a clean close, which ends with
+        #: FAIL too (``state`` then still says CLOSED)
+        self.failed = False
+        #: CLOSE was handled: after our CLOSE frame nothing more is sent
+        self.final = False
+        self._poisoned = False
 
     @property
     def state(self) -> State:
-        return self._state
+        """Both halves summarized in the classic five states."""
+        if self._poisoned:
+            return State.FAILED
+        sent = self.local is Local.CLOSE_SENT
+        if sent and self.remote is not Remote.OPEN:
+            return State.CLOSED
+        if self.failed:
+            return State.FAILED
+        if self.remote is Remote.OPEN:
+            return State.LOCAL_CLOSING if sent else State.OPEN
+        return State.REMOTE_CLOSED
 
     def handle(self, event: Event) -> State:
-        """Apply ``event``; return the new state. Raises ``LocalProtocolError`` /
+        """Apply ``event``; return the summary state. Raises ``LocalProtocolError`` /
         ``RemoteProtocolError`` for an illegal event, after moving to FAILED."""
-        nxt = TRANSITIONS[self._state].get(event)
-        if nxt is None:
-            prev, self._state = self._state, State.FAILED
-            who = LocalProtocolError if event in _LOCAL_EVENTS else RemoteProtocolError
-            raise who(f"{event.name} {_WHY.get(prev, 'in state ' + prev.name)}")
-        self._state = nxt
-        return nxt
+        if event is Event.FAIL:
+            self.failed = True
+            return self.state
+        if not self.failed:
+            if event in _LOCAL_EVENTS:
+                nxt_local = LOCAL[self.local].get(event)
+                if nxt_local is not None and not (event in _NEEDS_PEER
+                                                  and self.remote is Remote.GONE):
+                    self.local = nxt_local
+                    if event is Event.CLOSE:
+                        self.final = True
+                    return self.state
+            else:
+                nxt_remote = REMOTE[self.remote].get(event)
+                if nxt_remote is not None:
+                    self.remote = nxt_remote
+                    return self.state
+        prev = self.state
+        self.failed = self._poisoned = True
+        who = LocalProtocolError if event in _LOCAL_EVENTS else RemoteProtocolError
+        if event in _NEEDS_PEER and self.remote is Remote.GONE and prev is not State.FAILED:
+            why = "after the peer went away"
+        elif event is Event.SEND_DATA and self.local is Local.DRAINING and prev is not State.FAILED:
+            why = "after shutting down (send_eof or close)"
+        else:
+            why = _WHY.get(prev, "in state " + prev.name)
+        raise who(f"{event.name} {why}")
 
     @property
     def can_send(self) -> bool:
-        """True if DATA (and our CLOSE) may still be sent."""
-        return self._state is State.OPEN or self._state is State.REMOTE_CLOSED
+        """True if DATA may still be sent (our side OPEN, the peer not GONE)."""
+        return not self.failed and self.local is Local.OPEN and self.remote is not Remote.GONE
 
     @property
     def can_receive(self) -> bool:
         """True if DATA (and the peer's CLOSE) may still arrive."""
-        return self._state is State.OPEN or self._state is State.LOCAL_CLOSING
+        return not self.failed and self.remote is Remote.OPEN
 
     @property
     def closed(self) -> bool:
         """True once CLOSED or FAILED (nothing more can happen)."""
-        return self._state is State.CLOSED or self._state is State.FAILED
+        s = self.state
+        return s is State.CLOSED or s is State.FAILED
 
     def __repr__(self) -> str:
-        return f"<ConnectionState {self._state.name}>"
+        extra = "" if self.failed else f" local={self.local.name} remote={self.remote.name}"
+        return f"<ConnectionState {self.state.name}{extra}>"

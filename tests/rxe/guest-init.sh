@@ -5,7 +5,8 @@
 #   2. brings up the NIC with a static address, creates rxe0 and REQUIRES it to be ACTIVE
 #      with an IPv4 RoCE v2 GID (otherwise the run fails: the tier is never silently skipped),
 #   3. runs the requested command in /project, tee'ing its output to the console and to
-#      results/output.log, and prints "AIORDMA-RXE-EXIT=<rc>",
+#      results/output.log (the kernel's messages go to results/kernel.log instead), and
+#      prints "AIORDMA-RXE-EXIT=<rc>",
 #   4. powers the VM off.
 set -u
 export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
@@ -142,6 +143,11 @@ export AIORDMA_RXE_GUEST=1 AIORDMA_RXE_RESULTS="$RESULTS" AIORDMA_RXE_DEVICE="$R
 # Tests and examples connect over the address that carries the rxe GID (127.0.0.1 has none).
 export AIORDMA_TEST_IP="${AIORDMA_TEST_IP:-$ip4}"
 
+# From here on the kernel's messages (rxe's "make_send_cqe: non-flush error status" of
+# the error tests, say) stay out of the console, which carries the command's output:
+# they go to results/kernel.log at the end. Oopses and panics still reach the console
+# (the kernel raises the console level for them).
+echo 1 > /proc/sys/kernel/printk
 read -r up _ < /proc/uptime
 echo "$up" > "$RESULTS/boot-seconds"
 echo "aiordma-rxe: ${RXE_SUITE:-?} guest, kernel $(uname -r), $(python3 -V 2>&1)," \
@@ -175,6 +181,7 @@ if [ "$rc" = 124 ]; then
     echo "$budget" > "$RESULTS/timed-out"
 fi
 
+dmesg > "$RESULTS/kernel.log" 2>&1 || true
 read -r end _ < /proc/uptime
 echo "$end" > "$RESULTS/end-seconds"
 echo "$rc" > "$RESULTS/exit-code"

@@ -24,7 +24,7 @@ REPO=$(git -C "$HERE" rev-parse --show-toplevel 2>/dev/null || (cd "$HERE/../.."
 SUITE=${AIORDMA_RXE_SUITE:-forky}
 CACHE_ROOT=${AIORDMA_RXE_CACHE:-$HOME/.cache/aiordma-rxe}
 TIMEOUT=${AIORDMA_RXE_TIMEOUT:-1500}
-MIRROR=${AIORDMA_RXE_MIRROR:-http://deb.debian.org/debian}
+MIRROR=${AIORDMA_RXE_MIRROR:-}   # else the host's apt sources (choose_mirror)
 MEM=${AIORDMA_RXE_MEM:-2048}
 SMP=${AIORDMA_RXE_SMP:-2}
 ACCEL=${AIORDMA_RXE_ACCEL:-tcg,thread=multi}
@@ -40,13 +40,14 @@ usage: tests/rxe/run-vm.sh [options] [-- command ...]
 
 Boots a Debian ($SUITE) VM with Soft-RoCE (rxe0 ACTIVE), runs the command in the
 project directory and exits with its status. Default command:
-    python3 -m pytest -p no:cacheprovider -q tests
+    python3 -m pytest -p no:cacheprovider -q -rfEs tests
 
 options:
   --build-only   build (or reuse) the cached image and exit
   --rebuild      rebuild the image even if a cached one exists
   --print-key    print the image cache key (e.g. for a CI cache) and exit
   --print-image  print the cached image directory (building it if needed) and exit
+  --print-mirrors  print the Debian mirrors an image build would try, in order, and exit
   -h, --help     this text
 
 environment: AIORDMA_RXE_SUITE (forky|bookworm), AIORDMA_RXE_CACHE, AIORDMA_RXE_TIMEOUT,
@@ -66,6 +67,7 @@ while [ $# -gt 0 ]; do
         --rebuild) REBUILD=1; shift ;;
         --print-key) ACTION=key; shift ;;
         --print-image) ACTION=image; shift ;;
+        --print-mirrors) ACTION=mirrors; shift ;;
         -h|--help) usage; exit 0 ;;
         -*) usage >&2; die $EX_USAGE "unknown option: $1" ;;
         *) break ;;
@@ -74,7 +76,7 @@ done
 if [ $# -gt 0 ]; then
     CMD=("$@")
 else
-    CMD=(python3 -m pytest -p no:cacheprovider -q tests)
+    CMD=(python3 -m pytest -p no:cacheprovider -q -rfEs tests)
 fi
 case "$SUITE" in
     forky|bookworm|trixie|sid|testing|unstable) ;;
@@ -102,6 +104,69 @@ image_key() {
         cat "$HERE/guest-stub-init"
         declare -f build_image install_packages configure_root make_image run_group
     } | sha256sum | cut -c1-16
+}
+
+# ---- Debian mirror --------------------------------------------------------------------
+# The mirrors of the host's own apt sources, in order, one a line: the URIs of "deb"
+# entries (one-line sources.list files and deb822 .sources files) that name a release
+# suite (one without a '-': bookworm, not bookworm-security or bookworm-updates). apt's
+# configuration says where the sources are (apt-config; APT_CONFIG is honoured).
+host_mirrors() {
+    local list=/etc/apt/sources.list parts=/etc/apt/sources.list.d f
+    if command -v apt-config >/dev/null 2>&1; then
+        eval "$(apt-config shell list Dir::Etc::sourcelist/f parts Dir::Etc::sourceparts/d)"
+    fi
+    {
+        for f in "$list" "${parts%/}"/*.list; do
+            [ -f "$f" ] || continue
+            awk '$1 == "deb" { i = 2
+                     if ($2 ~ /^\[/) { while (i < NF && $i !~ /\]$/) i++; i++ }
+                     if ($(i + 1) !~ /-/) print $i }' "$f"
+        done
+        for f in "${parts%/}"/*.sources; do
+            [ -f "$f" ] || continue
+            awk 'BEGIN { RS = "" }
+                 { types = uris = suites = ""; enabled = 1; key = ""
+                   n = split($0, lines, "\n")
+                   for (k = 1; k <= n; k++) {
+                       line = lines[k]
+                       if (line ~ /^#/) continue
+                       if (match(line, /^[A-Za-z-]+:/)) {
+                           key = tolower(substr(line, 1, RLENGTH - 1)); line = substr(line, RLENGTH + 1)
+                       }
+                       if (key == "types") types = types " " line
+                       else if (key == "uris") uris = uris " " line
+                       else if (key == "suites") suites = suites " " line
+                       else if (key == "enabled" && line ~ /no/) enabled = 0
+                   }
+                   if (!enabled || types !~ /(^|[ \t])deb([ \t]|$)/) next
+                   release = 0; ns = split(suites, s, /[ \t]+/)
+                   for (j = 1; j <= ns; j++) if (s[j] != "" && s[j] !~ /-/) release = 1
+                   if (!release) next
+                   nu = split(uris, u, /[ \t]+/)
+                   for (j = 1; j <= nu; j++) if (u[j] != "") print u[j] }' "$f"
+        done
+    } | sed 's#/*$##' | awk '!seen[$0]++'
+}
+
+# The mirrors a build tries: AIORDMA_RXE_MIRROR alone when set, else the host's.
+mirror_candidates() {
+    if [ -n "$MIRROR" ]; then echo "$MIRROR"; else host_mirrors; fi
+}
+
+# Sets MIRROR to the first candidate that has the guest suite (build_image checks it
+# once more and reports its errors); with none that has it, the first candidate.
+choose_mirror() {
+    local -a cands
+    local m
+    mapfile -t cands < <(mirror_candidates)
+    [ ${#cands[@]} -gt 0 ] || die $EX_UNAVAILABLE "no Debian mirror in the host's apt sources (deb entries of a release suite); set AIORDMA_RXE_MIRROR=URL"
+    command -v wget >/dev/null 2>&1 || ensure_tools wget:wget
+    for m in "${cands[@]}"; do
+        if wget -q -T 30 -t 2 -O /dev/null "$m/dists/$SUITE/Release"; then MIRROR=$m; return 0; fi
+    done
+    MIRROR=${cands[0]}
+    log "no mirror of ${cands[*]} has dists/$SUITE (or none answered); set AIORDMA_RXE_MIRROR=URL to choose one"
 }
 
 # ---- host tools ---------------------------------------------------------------------
@@ -393,6 +458,8 @@ ensure_image() {
         for d in "$suitedir"/.build-* "$suitedir"/.old-*; do   # leftovers of interrupted builds
             [ -e "$d" ] && remove_tree "$d"
         done
+        choose_mirror
+        log "Debian mirror: $MIRROR"
         build_image "$suitedir" "$key" "$IMG_DIR"
         rm -f "$suitedir/failed-build.log"
         gc_images "$suitedir" "$IMG_DIR"
@@ -463,7 +530,7 @@ run_vm() {
         log "booting $SUITE guest (timeout ${TIMEOUT}s): $shown"
         # a fresh overlay and results per boot: a guest that crashed leaves nothing behind
         rm -f "$RUN_DIR/overlay.qcow2" \
-            "$results"/{exit-code,output.log,setup-failed,boot-seconds,end-seconds,timed-out}
+            "$results"/{exit-code,output.log,kernel.log,setup-failed,boot-seconds,end-seconds,timed-out}
         qemu-img create -q -f qcow2 -F raw -b "$IMG_DIR/root.img" "$RUN_DIR/overlay.qcow2"
         t0=$SECONDS qrc=0
         : > "$console"
@@ -510,6 +577,11 @@ run_vm() {
         if [ -s "$results/timed-out" ]; then
             log "suite $SUITE: the guest command timed out after $(cat "$results/timed-out") s (AIORDMA_RXE_TIMEOUT=$TIMEOUT incl. boot); exit $rc"
         fi
+        if [ "$rc" != 0 ] && [ -s "$results/kernel.log" ]; then
+            echo "--- guest kernel log while the command ran (last 60 lines of $(
+                [ -n "${AIORDMA_RXE_RESULTS:-}" ] && echo "$results/kernel.log" || echo kernel.log)) ---"
+            tail -n 60 "$results/kernel.log"
+        fi
         log "suite $SUITE: guest command exited $rc (guest boot-to-command ${boot:-?} s, wall ${wall} s)"
         exit "$rc"
     fi
@@ -530,6 +602,7 @@ run_vm() {
 mkdir -p "$CACHE_ROOT"
 case "$ACTION" in
     key) image_key; exit 0 ;;
+    mirrors) mirror_candidates; exit 0 ;;
     build) ensure_image; echo "$IMG_DIR"; exit 0 ;;
     image) ensure_image; echo "$IMG_DIR"; exit 0 ;;
     run) ensure_image; run_vm ;;

@@ -67,10 +67,8 @@ with); exactly one must qualify. ``native.CQPoller`` then calls ``ctx->ops.poll_
 (what the inline ``ibv_poll_cq`` of verbs.h calls; ``struct ibv_context_ops`` is part
 of the stable ABI) through ctypes, with the GIL held, into a buffer of ``struct
 ibv_wc`` (48 bytes, ``compat.IBV_WC``) unpacked with ``struct``. If the struct is not
-found, or ``AIORDMA_VERBS_POLL=pyverbs``, ``CQ.poll`` of pyverbs is used. Measured in
-the Soft-RoCE guest (one process, 60 interleaved rounds): 41 us per completion instead
-of 77 at batches of 16, 84 instead of 117 at 4, 319 instead of 366 for one (an empty
-poll costs more through ctypes: about 25 us against 5).
+found, or ``AIORDMA_VERBS_POLL=pyverbs``, ``CQ.poll`` of pyverbs is used (the
+per-completion costs of both are in docs/benchmarks.md).
 
 Other choices
 -------------

@@ -56,6 +56,7 @@ CMA_ON: Final = 2
 CMA_OFF: Final = 3
 
 _NO_STAGE: Final = bytearray()
+_NO_SMV: Final = memoryview(_NO_STAGE)
 #: staging buffers a device keeps for its connections to borrow (one per parsing thread)
 STAGE_POOL: Final = 4
 _HDR_UNPACK: Final = wire.HDR.unpack_from
@@ -90,7 +91,7 @@ class Conn:
         self.peer: tuple[str, int] | None = None
         # input staging, lent from the device's pool while staged bytes wait (_take_stage)
         self._stage = _NO_STAGE
-        self._smv = memoryview(_NO_STAGE)
+        self._smv = _NO_SMV
         self._rpos = 0
         self._wpos = 0
         self._sink: Sink | None = None
@@ -374,7 +375,6 @@ class Conn:
         if sock is None:
             return
         budget = READ_BUDGET
-        self.last_rx = time.monotonic()
         self._short = False  # a short read drained the socket: stop rather than hit EAGAIN
         try:
             while self.reading and self.state == OPEN:
@@ -431,6 +431,8 @@ class Conn:
         except OSError:
             self.fail()
             return
+        if budget != READ_BUDGET:  # bytes came in (the ACK timer's progress)
+            self.last_rx = time.monotonic()
         owner = self.owner
         if owner is not None and self.state == OPEN:
             owner.conn_batch_end(self)
@@ -461,7 +463,7 @@ class Conn:
         if stage is _NO_STAGE:
             return
         self._stage = _NO_STAGE
-        self._smv = memoryview(_NO_STAGE)
+        self._smv = _NO_SMV
         self._rpos = self._wpos = 0
         pool = self.engine.stage_pool
         if len(pool) < STAGE_POOL:

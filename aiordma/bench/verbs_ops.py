@@ -1,7 +1,7 @@
 """What one verbs operation costs in Python, in one process, on a real device (rxe in the
 Soft-RoCE VM, or a NIC): aiordma's ``verbs`` provider against bare pyverbs.
 
-    python -m benchmarks.verbs_ops [--iters 300] [--rounds 3] [--device rxe0]
+    python -m aiordma.bench.verbs_ops [--iters 300] [--rounds 3] [--device rxe0]
 
 Two RC QPs on one device are connected to each other (loopback). Each row times one
 call, median over ``--iters`` calls, rounds interleaved so that the variants share the

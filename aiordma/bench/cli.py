@@ -22,6 +22,7 @@ and ``--max-seconds`` per test; every wait has a timeout.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -39,6 +40,7 @@ from .common import (
     BW_TESTS,
     DEFAULT_BASELINES,
     DEFAULT_SIZES,
+    DEFAULT_TESTS,
     EXTERNAL_BASELINES,
     LAT_TESTS,
     LOCAL_BASELINES,
@@ -49,17 +51,24 @@ from .common import (
     Result,
     fmt_size,
     parse_sizes,
+    primary,
     test_timeout,
 )
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: the directory that holds the ``aiordma`` package (a checkout or site-packages): the
+#: worker processes import this same copy of it
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+DEFAULT_LOOP = "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio"
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m aiordma bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tests", default=",".join(ALL_TESTS),
-                   help=f"comma-separated subset of: {', '.join(ALL_TESTS)}")
+    p.add_argument("--tests", default=",".join(DEFAULT_TESTS),
+                   help=f"comma-separated subset of: {', '.join(ALL_TESTS)} (default: all "
+                        "but cost)")
     p.add_argument("--sizes", default=DEFAULT_SIZES,
                    help="message sizes, e.g. 8,64,4K,1M or a power-of-two range 8-16M "
                         f"(default {DEFAULT_SIZES})")
@@ -75,8 +84,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-bytes", default="512M", help="data bound of each test")
     p.add_argument("--provider", default=None, help="aiordma provider (soft|verbs)")
     p.add_argument("--device", default=None, help="aiordma device name")
-    p.add_argument("--loop", choices=["asyncio", "uvloop"], default="uvloop",
-                   help="event loop of every process, baselines included")
+    p.add_argument("--loop", choices=["asyncio", "uvloop"], default=DEFAULT_LOOP,
+                   help="event loop of every process, baselines included (default: uvloop "
+                        "when it is installed, else asyncio)")
     p.add_argument("--poll-mode", choices=["blocking", "hybrid", "polling"], default=None)
     p.add_argument("--spin-us", type=int, default=None)
     p.add_argument("--baselines", default=",".join(DEFAULT_BASELINES),
@@ -89,6 +99,9 @@ def _parser() -> argparse.ArgumentParser:
                         "report the median round of each figure (a noisy machine)")
     p.add_argument("--json", action="store_true",
                    help="one JSON object per result on stdout (the table goes to stderr)")
+    p.add_argument("--save", metavar="FILE.json", default=None,
+                   help="write the results document (date, machine, commit, results) that "
+                        "python -m aiordma.bench.report renders")
     p.add_argument("--plot", metavar="FILE.png", default=None,
                    help="plot every test against size (needs matplotlib: aiordma[plot])")
     return p
@@ -102,6 +115,9 @@ def config_from_args(a: argparse.Namespace) -> Config:
     if bad:
         raise SystemExit(f"bench: unknown test(s) {', '.join(bad)}; choose from "
                          f"{', '.join(ALL_TESTS)}")
+    if a.loop == "uvloop" and importlib.util.find_spec("uvloop") is None:
+        raise SystemExit("bench: --loop uvloop needs the uvloop package "
+                         "(pip install 'aiordma[uvloop]')")
     sizes = parse_sizes(a.sizes)
     if not sizes:
         raise SystemExit("bench: --sizes is empty")
@@ -164,10 +180,10 @@ def run_pair(transport: str, cfg: Config) -> tuple[list[Result], dict[str, Any]]
 
 
 def _run_pair_once(transport: str, cfg: Config) -> tuple[list[Result], dict[str, Any]]:
-    cmd = [sys.executable, "-m", "benchmarks.worker"]
+    cmd = [sys.executable, "-m", "aiordma.bench.worker"]
     n_tests = len(cfg.items()) - cfg.skip
     budget = n_tests * test_timeout(cfg) + 60
-    server = subprocess.Popen([*cmd, "server", transport, cfg.to_json()], cwd=ROOT, env=_env(),
+    server = subprocess.Popen([*cmd, "server", transport, cfg.to_json()], env=_env(),
                               stdout=subprocess.PIPE, text=True)
     results: list[Result] = []
     stats: dict[str, Any] = {}
@@ -177,7 +193,7 @@ def _run_pair_once(transport: str, cfg: Config) -> tuple[list[Result], dict[str,
         if not ready.startswith("READY "):
             raise RuntimeError(f"{transport} server did not start: {ready!r}")
         info = ready[len("READY "):].strip()
-        client = subprocess.Popen([*cmd, "client", transport, cfg.to_json(), info], cwd=ROOT,
+        client = subprocess.Popen([*cmd, "client", transport, cfg.to_json(), info],
                                   env=_env(), stdout=subprocess.PIPE, text=True)
         assert client.stdout is not None
         deadline = time.monotonic() + budget
@@ -294,15 +310,6 @@ def median_of_rounds(rounds: list[list[Result]]) -> list[Result]:
 
 
 # ======================================================================= ratios & table
-def primary(r: Result) -> float | None:
-    """The figure a test is judged by: median round trip (lat), GB/s (bw), msgs/s (rate)."""
-    if r.test in LAT_TESTS:
-        return r.lat_median_us
-    if r.test in BW_TESTS or r.test == "memcpy":
-        return r.gbps
-    return r.msgs_per_s
-
-
 def add_ratios(results: list[Result]) -> None:
     """For each aiordma result, ratios to the baselines of the same test and size:
     ``lat`` (median, lower is better), ``gbps``, ``rate`` (higher is better), ``cpu``
@@ -372,7 +379,7 @@ def format_table(results: list[Result], cfg: Config, baselines: list[str]) -> st
                                           tr_order.get(r.transport, 99)))
     prev = None
     for r in rows:
-        if r.test == "reactor":
+        if r.test in ("reactor", "cost"):
             continue
         if prev is not None and (r.test, r.size) != prev:
             w("")
@@ -396,7 +403,7 @@ def format_table(results: list[Result], cfg: Config, baselines: list[str]) -> st
           f"{_f(r.lat_min_us if lat else None):>8s} {_f(gb, '.3f'):>8s} "
           f"{_rate(r.msgs_per_s):>8s} {_f(r.cpu_us_per_op):>8s}  {ratio}")
     # summary: the primary figure of each transport and the aiordma ratios
-    aio = [r for r in rows if r.transport == "aiordma" and r.error is None]
+    aio = [r for r in rows if r.transport == "aiordma" and r.error is None and r.test != "cost"]
     if aio:
         socks = [b for b in baselines if b in SOCKET_BASELINES or b in EXTERNAL_BASELINES]
         w("")
@@ -423,6 +430,11 @@ def format_table(results: list[Result], cfg: Config, baselines: list[str]) -> st
                 m = r.ratios.get("memcpy")
                 line += f"  {m['gbps'] * 100:6.1f}%" if m else "       -"
             w(line)
+    cost = [r for r in results if r.test == "cost"]
+    if cost:
+        from .cost import format_rows
+
+        lines.extend(format_rows(cost))
     reactor = [r for r in results if r.test == "reactor"]
     if reactor:
         w("")
@@ -455,55 +467,6 @@ def machine() -> str:
             f"Python {platform.python_version()}")
 
 
-# ======================================================================= plot
-def plot(results: list[Result], path: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise SystemExit("bench: --plot needs matplotlib (pip install 'aiordma[plot]')") from None
-    tests = [t for t in (*LAT_TESTS, *BW_TESTS, "msg_rate")
-             if any(r.test == t and r.error is None for r in results)]
-    if not tests:
-        _log("bench: nothing to plot")
-        return
-    cols = min(4, len(tests))
-    rows = (len(tests) + cols - 1) // cols
-    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False)
-    for ax, test in zip((a for row in axes for a in row), tests, strict=False):
-        by_tr: dict[str, list[tuple[int, float]]] = {}
-        for r in results:
-            v = primary(r)
-            if r.test == test and r.error is None and v:
-                by_tr.setdefault(r.transport, []).append((r.size, v))
-        if test in BW_TESTS:
-            for r in results:
-                if r.transport == "memcpy" and r.gbps:
-                    by_tr.setdefault("memcpy", []).append((r.size, r.gbps))
-        for tr, pts in sorted(by_tr.items(), key=lambda kv: kv[0] != "aiordma"):
-            pts.sort()
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o" if len(pts) > 1 else "s",
-                    label=tr, linewidth=2.5 if tr == "aiordma" else 1.2,
-                    linestyle="--" if tr == "memcpy" else "-")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_title(test)
-        ax.set_xlabel("message size (bytes)")
-        ax.set_ylabel("round trip (us)" if test in LAT_TESTS else
-                      "GB/s" if test in BW_TESTS else "msgs/s")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
-    for ax in list(a for row in axes for a in row)[len(tests):]:
-        ax.axis("off")
-    fig.suptitle(f"aiordma bench: {machine()}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    _log(f"bench: plot written to {path}")
-
-
 # ======================================================================= main
 def main(argv: list[str] | None = None) -> int:
     a = _parser().parse_args(argv)
@@ -523,6 +486,10 @@ def main(argv: list[str] | None = None) -> int:
                 check(b, cfg)
             except BaselineUnavailable as exc:
                 raise SystemExit(f"bench: baseline {b!r} is unavailable here: {exc}") from None
+    if a.save:
+        from .report import commit_of
+
+        commit = commit_of(ROOT)
     _log(f"bench: {machine()}; loop {cfg.loop}; tests {','.join(cfg.tests)}; sizes "
          f"{','.join(fmt_size(s) for s in cfg.sizes)}; baselines {','.join(baselines) or 'none'}")
     results: list[Result] = []
@@ -532,6 +499,11 @@ def main(argv: list[str] | None = None) -> int:
 
         _log("bench: reactor micro-benchmark")
         results += reactor_bench(cfg)
+    if "cost" in cfg.tests and not a.no_aiordma:
+        from .cost import bench as cost_bench
+
+        _log("bench: cost per round trip (callgrind; minutes)")
+        results += cost_bench(cfg)
     two = [t for t in cfg.tests if t in TWO_PROCESS_TESTS]
     if two:
         transports = ([] if a.no_aiordma else ["aiordma"]) + [
@@ -571,6 +543,19 @@ def main(argv: list[str] | None = None) -> int:
     if a.json:
         for r in results:
             print(json.dumps(r.to_dict()), flush=True)
+    if a.save:
+        from .report import document
+
+        doc = document(results, machine=machine(), build=native.build(), loop=cfg.loop,
+                       provider=cfg.provider, poll_mode=cfg.poll_mode,
+                       command=sys.argv[2:] if argv is None else list(argv), commit=commit)
+        with open(a.save, "w") as f:
+            json.dump(doc, f, indent=1)
+            f.write("\n")
+        _log(f"bench: results document written to {a.save}")
     if a.plot:
-        plot(results, a.plot)
+        from .plot import plot
+
+        plot(results, a.plot, f"aiordma bench: {machine()}")
+        _log(f"bench: plot written to {a.plot}")
     return 1 if any(r.error for r in results) else 0

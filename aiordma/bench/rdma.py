@@ -143,9 +143,8 @@ class RdmaServer:
         return self.ep.statistics() if self.ep is not None else {}
 
     async def close(self) -> None:
-        # The client said quit and closes its side: nothing is pending here. Abort rather
-        # than close gracefully: on rxe a graceful close racing the client's took more
-        # than 10 s (open issue, see README Benchmarks), which only slowed the run down.
+        # The client said quit and closes its side: nothing is pending here, and nothing
+        # after the last round trip is measured, so abort rather than close gracefully.
         if self.ep is not None:
             self.ep.abort()
         self._stop.set()

@@ -1,11 +1,11 @@
 """One side of a two-process benchmark run.
 
-    python -m benchmarks.worker server TRANSPORT CONFIG_JSON
-    python -m benchmarks.worker client TRANSPORT CONFIG_JSON SERVER_INFO_JSON
+    python -m aiordma.bench.worker server TRANSPORT CONFIG_JSON
+    python -m aiordma.bench.worker client TRANSPORT CONFIG_JSON SERVER_INFO_JSON
 
-TRANSPORT ``pyverbs`` runs the synchronous baseline of ``benchmarks/pyverbs_sync.py``
+TRANSPORT ``pyverbs`` runs the synchronous baseline of ``aiordma/bench/pyverbs_sync.py``
 (same control protocol, no event loop); ``pyverbs-async`` the asyncio floor of
-``benchmarks/pyverbs_async.py`` (a backend of this harness, like the sockets).
+``aiordma/bench/pyverbs_async.py`` (a backend of this harness, like the sockets).
 
 The server prints ``READY {json}`` (its control port and data address) on stdout and
 serves until the client says ``quit`` (or the control connection closes). The client

@@ -11,15 +11,10 @@ Why the byte bound: an operation's completion is reported only by the next signa
 WR, so the tasks awaiting a batch's operations all resume when its last WR completes.
 For small frames that is the point (one completion per batch). For large transfers
 it delays every operation of a batch until the whole batch is done, and a window of
-them drains completely before anything is posted again: measured in the Soft-RoCE
-guest, a window of 16 RDMA WRITEs of 64 KiB (posted as batches of ~14 with one
-signal) ran at about half the rate of a loop that signals each. So a WR is also
-signaled once ``signal_bytes`` have been posted since the last signaled one.
-
-The price: a completion, usually a wake-up, per large operation (about 3x the CPU per
-1 MiB WRITE in the guest, whose rate did not move beyond its noise). Signaling only
-the last of each quarter of a batch does not lower it: the tasks one completion
-wakes post the next, smaller batch, and batches shrink to one operation each.
+them drains completely before anything is posted again. So a WR is also signaled
+once ``signal_bytes`` have been posted since the last signaled one. The price is a
+completion, usually a wake-up, per large operation (docs/benchmarks.md has the
+measurements).
 """
 
 from __future__ import annotations
@@ -100,6 +95,10 @@ class SendQueue:
             if item[0] == wr_id:
                 break
         return out
+
+    def entries(self) -> deque[tuple[int, Any]]:
+        """The posted entries, oldest first (a view: do not change it)."""
+        return self._q
 
     def drain(self) -> list[tuple[int, Any]]:
         """Remove and return every entry (teardown after the QP is destroyed)."""

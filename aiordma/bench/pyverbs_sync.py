@@ -1,14 +1,14 @@
-"""The ``pyverbs`` baseline: the same tests as ``benchmarks/rdma.py`` written the way a
+"""The ``pyverbs`` baseline: the same tests as ``aiordma/bench/rdma.py`` written the way a
 synchronous pyverbs program would, with nothing in between -- one RC QP over the
 device, work requests built once and re-posted, and ``cq.poll()`` in a busy loop (no
 completion channel, no event loop). It is what aiordma's ``verbs`` provider is measured
 against: the cost of Python calling pyverbs, without asyncio, framing or credits.
 
-    python -m benchmarks.worker server pyverbs CONFIG_JSON
-    python -m benchmarks.worker client pyverbs CONFIG_JSON SERVER_INFO_JSON
+    python -m aiordma.bench.worker server pyverbs CONFIG_JSON
+    python -m aiordma.bench.worker client pyverbs CONFIG_JSON SERVER_INFO_JSON
 
 The two processes speak the harness's control protocol (JSON lines, see
-``benchmarks/worker.py``) over a plain blocking TCP socket, which also carries the QP
+``aiordma/bench/worker.py``) over a plain blocking TCP socket, which also carries the QP
 numbers, PSNs, GIDs and the server's buffer (address, rkey) at connection time.
 
 * ``send_lat``   -- the client posts a receive, then a SEND of ``size``; the server's

@@ -22,13 +22,16 @@ KiB = 1024
 MiB = 1024 * KiB
 
 #: perftest-style tests. *_lat: one operation at a time (round trips); *_bw: a window
-#: of operations in flight; msg_rate: small sends, window 64; reactor: in one process.
+#: of operations in flight; msg_rate: small sends, window 64; reactor: in one process;
+#: cost: instructions and Python calls per 64 B round trip (cost.py; not in the default
+#: set: it needs valgrind and takes minutes)
 LAT_TESTS = ("send_lat", "write_lat", "read_lat", "atomic_lat")
 BW_TESTS = ("send_bw", "write_bw", "read_bw")
-ALL_TESTS = (*LAT_TESTS, *BW_TESTS, "msg_rate", "reactor")
+ALL_TESTS = (*LAT_TESTS, *BW_TESTS, "msg_rate", "reactor", "cost")
+DEFAULT_TESTS = (*LAT_TESTS, *BW_TESTS, "msg_rate", "reactor")
 TWO_PROCESS_TESTS = (*LAT_TESTS, *BW_TESTS, "msg_rate")
 
-#: which socket pattern mirrors each test (see benchmarks/sockets.py):
+#: which socket pattern mirrors each test (see aiordma/bench/sockets.py):
 #: echo = request of `size`, reply of `size`; ack = `size` then a 1-byte reply;
 #: fetch = 1-byte request, reply of `size`; sink = one-way stream of `size` messages;
 #: source = 1-byte requests (window W in flight), `size`-byte replies.
@@ -185,6 +188,15 @@ class Result:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def primary(r: Result) -> float | None:
+    """The figure a test is judged by: median round trip (lat), GB/s (bw), msgs/s (rate)."""
+    if r.test in LAT_TESTS:
+        return r.lat_median_us
+    if r.test in BW_TESTS or r.test == "memcpy":
+        return r.gbps
+    return r.msgs_per_s
 
 
 def lat_stats(samples_ns: list[int]) -> dict[str, float]:

@@ -1,19 +1,19 @@
 """The ``pyverbs-async`` baseline: the floor of an asyncio program over pyverbs.
 
-The same verbs objects and work requests as ``benchmarks/pyverbs_sync.py`` (one RC QP,
+The same verbs objects and work requests as ``aiordma/bench/pyverbs_sync.py`` (one RC QP,
 WRs built once and re-posted), driven the way an asyncio library has to at the least:
 each operation awaits a Future that a CQ poller resolves, and the poller runs on the
 event loop, re-scheduled with ``call_soon`` every loop iteration while anything is
 awaited (a busy poll: no completion channel, no sleep). Nothing else: no framing,
 credits, flow control, buffer management, checks or completion conversion. It runs
-through the harness of ``benchmarks/worker.py`` with the same tests, counts, loop and
+through the harness of ``aiordma/bench/worker.py`` with the same tests, counts, loop and
 measuring coroutines as aiordma (``ping_pong``, ``windowed``), so
 
 * aiordma / ``pyverbs-async`` is what aiordma costs above a bare asyncio program;
 * ``pyverbs-async`` / ``pyverbs`` is what asyncio itself (one Future and one task
   switch per completion, a loop iteration per poll) costs above the synchronous loop.
 
-Patterns (as ``benchmarks/rdma.py``): ``send_lat`` -- the client awaits its SEND's
+Patterns (as ``aiordma/bench/rdma.py``): ``send_lat`` -- the client awaits its SEND's
 completion, then the echo's receive; the server awaits a receive, SENDs it back and
 awaits that completion. ``*_lat`` one-sided -- one signalled WR at a time.
 ``send_bw``/``msg_rate`` -- ``window`` coroutines each awaiting a signalled SEND; the
@@ -154,7 +154,7 @@ async def _exchange(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
 
 # ======================================================================= server
 class AioVerbsServer:
-    """The server backend of ``benchmarks/worker.py`` (start/begin/mark/end/close)."""
+    """The server backend of ``aiordma/bench/worker.py`` (start/begin/mark/end/close)."""
 
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
@@ -267,7 +267,7 @@ class AioVerbsServer:
 
 # ======================================================================= client
 class AioVerbsClient:
-    """The client backend of ``benchmarks/worker.py`` (connect/lat_op/stream/close)."""
+    """The client backend of ``aiordma/bench/worker.py`` (connect/lat_op/stream/close)."""
 
     def __init__(self, cfg: Config, info: dict[str, Any]) -> None:
         self.cfg = cfg

@@ -3,14 +3,14 @@
 and raises ``BaselineUnavailable`` with the reason, so a run never silently compares
 against nothing.
 
-* ``pyverbs`` -- a synchronous, busy-polling pyverbs program (``benchmarks/pyverbs_sync.py``):
+* ``pyverbs`` -- a synchronous, busy-polling pyverbs program (``aiordma/bench/pyverbs_sync.py``):
   server and client processes, one RC QP over the device, connection data exchanged
   over a plain TCP socket, work requests built once and re-posted, ``cq.poll()`` in a
   loop. Same tests, sizes, counts and measurement as aiordma's (it runs through
-  ``benchmarks/worker.py`` and the same pair runner, rounds included); its CPU per
+  ``aiordma/bench/worker.py`` and the same pair runner, rounds included); its CPU per
   operation counts both busy-polling processes.
 * ``pyverbs-async`` -- the same verbs objects and WRs driven from an asyncio loop at
-  the least cost (``benchmarks/pyverbs_async.py``): one Future per operation, resolved
+  the least cost (``aiordma/bench/pyverbs_async.py``): one Future per operation, resolved
   by a CQ poller re-scheduled every loop iteration; the floor of any asyncio program
   over pyverbs, run through the same harness as aiordma.
 * ``perftest`` -- runs perftest's ``ib_{send,write,read,atomic}_{lat,bw}`` (a server and

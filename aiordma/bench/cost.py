@@ -1,0 +1,288 @@
+"""``--tests cost``: what one 64 B round trip costs the client, in user-space
+instructions (valgrind's callgrind) and in interpreted Python calls, for aiordma and for
+the same ping-pong over uvloop/asyncio TCP, in one run.
+
+Wall-clock time is noisy on a shared machine; instruction counts are not: callgrind
+counts the same program the same way whatever else runs. The client is run twice under
+callgrind, with ``N1`` and ``N2`` round trips after the same warm-up; the difference
+of the two totals divided by ``N2 - N1`` is the cost of one round trip, without the
+start-up, the handshake and the exit (every thread of the client is counted: the
+``soft`` device's own work is part of the cost). The server runs normally.
+
+Both clients do the same per round trip: send 64 bytes, then await the reply as one
+message (``await ep.send(); await ep.recv()`` against a Protocol whose
+``data_received`` resolves the future a TCP client awaits), so the ratio compares what
+each stack does for a message. Python calls per round trip (``sys.setprofile``, a
+separate uncounted run) show how much of it is interpreted.
+
+Where valgrind is missing the instruction columns say so; the calls are still counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+from .common import Config, Result
+
+SIZE = 64
+WARMUP = 50
+N1, N2 = 200, 700
+CALLS_N = 1000
+KINDS = ("aiordma", "tcp-proto")
+
+
+# ======================================================================= the workers
+async def _aiordma_server(port_file: str, provider: str | None, poll_mode: str) -> None:
+    import aiordma
+
+    async def echo(ep: aiordma.Endpoint) -> None:
+        try:
+            while True:
+                await ep.send(await ep.recv())
+        except aiordma.ConnectionClosed:
+            pass
+
+    # (the client runs under valgrind, some 50x slower: generous setup timeouts)
+    listener = await aiordma.listen(echo, "127.0.0.1", 0, provider=provider,
+                                    poll_mode=poll_mode, handshake_timeout=300)
+    _ready(port_file, listener.port)
+    await asyncio.sleep(3600)
+
+
+async def _tcp_server(port_file: str) -> None:
+    loop = asyncio.get_running_loop()
+
+    class Echo(asyncio.Protocol):
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            self.t: Any = transport
+
+        def data_received(self, data: bytes) -> None:
+            self.t.write(data)
+
+    srv = await loop.create_server(Echo, "127.0.0.1", 0)
+    _ready(port_file, srv.sockets[0].getsockname()[1])
+    await asyncio.sleep(3600)
+
+
+def _ready(port_file: str, port: int) -> None:
+    tmp = port_file + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(str(port))
+    os.replace(tmp, port_file)
+
+
+def _profile(count: list[int]) -> Any:
+    def hook(_frame: Any, event: str, _arg: Any) -> None:
+        if event == "call":
+            count[0] += 1
+    return hook
+
+
+async def _aiordma_client(port: int, n: int, calls: bool, provider: str | None,
+                          poll_mode: str) -> None:
+    import aiordma
+
+    ep = await aiordma.connect("127.0.0.1", port, timeout=300, handshake_timeout=300,
+                               provider=provider, poll_mode=poll_mode)
+    msg = b"x" * SIZE
+    for _ in range(WARMUP):
+        await ep.send(msg)
+        await ep.recv()
+    count = [0]
+    if calls:
+        sys.setprofile(_profile(count))
+    for _ in range(n):
+        await ep.send(msg)
+        await ep.recv()
+    sys.setprofile(None)
+    if calls:
+        print(json.dumps({"calls_per_rt": count[0] / n}), flush=True)
+    ep.abort()
+    await ep.wait_closed()
+
+
+async def _tcp_client(port: int, n: int, calls: bool) -> None:
+    loop = asyncio.get_running_loop()
+
+    class Client(asyncio.Protocol):
+        def __init__(self) -> None:
+            self.got = 0
+            self.fut: asyncio.Future[None] | None = None
+
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            import socket
+
+            sock = transport.get_extra_info("socket")
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+        def data_received(self, data: bytes) -> None:
+            self.got += len(data)
+            if self.got >= SIZE and self.fut is not None and not self.fut.done():
+                self.got -= SIZE
+                self.fut.set_result(None)
+
+    t, p = await loop.create_connection(Client, "127.0.0.1", port)
+    msg = b"x" * SIZE
+
+    async def round_trips(k: int) -> None:
+        for _ in range(k):
+            p.fut = loop.create_future()
+            t.write(msg)
+            await p.fut
+
+    await round_trips(WARMUP)
+    count = [0]
+    if calls:
+        sys.setprofile(_profile(count))
+    await round_trips(n)
+    sys.setprofile(None)
+    if calls:
+        print(json.dumps({"calls_per_rt": count[0] / n}), flush=True)
+    t.close()
+
+
+def worker(argv: list[str]) -> None:
+    """``python -m aiordma.bench.cost server KIND PORTFILE LOOP [PROVIDER POLL]`` or
+    ``... client KIND PORT N CALLS LOOP [PROVIDER POLL]``."""
+    role, kind = argv[0], argv[1]
+    if role == "server":
+        port_file, loop = argv[2], argv[3]
+        coro: Any = (_aiordma_server(port_file, _none(argv[4]), argv[5]) if kind == "aiordma"
+                     else _tcp_server(port_file))
+    else:
+        port, n, calls, loop = int(argv[2]), int(argv[3]), argv[4] == "1", argv[5]
+        coro = (_aiordma_client(port, n, calls, _none(argv[6]), argv[7]) if kind == "aiordma"
+                else _tcp_client(port, n, calls))
+    if loop == "uvloop":
+        import uvloop
+
+        uvloop.run(coro)
+    else:
+        asyncio.run(coro)
+
+
+def _none(s: str) -> str | None:
+    return None if s == "-" else s
+
+
+# ======================================================================= the harness
+def _server(kind: str, cfg: Config, poll_mode: str) -> tuple[subprocess.Popen[bytes], int]:
+    port_file = os.path.join(tempfile.mkdtemp(prefix="aiordma-cost-"), "port")
+    args = [sys.executable, "-m", "aiordma.bench.cost", "server", kind, port_file, cfg.loop,
+            cfg.provider or "-", poll_mode]
+    proc = subprocess.Popen(args, env=_env())
+    deadline = time.monotonic() + 60
+    while not os.path.exists(port_file):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"the {kind} server did not start")
+        time.sleep(0.05)
+    with open(port_file) as f:
+        return proc, int(f.read())
+
+
+def _env() -> dict[str, str]:
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def _client_args(kind: str, port: int, n: int, calls: bool, cfg: Config,
+                 poll_mode: str) -> list[str]:
+    return [sys.executable, "-m", "aiordma.bench.cost", "client", kind, str(port), str(n),
+            "1" if calls else "0", cfg.loop, cfg.provider or "-", poll_mode]
+
+
+def _instructions(args: list[str], timeout: float) -> int:
+    out = tempfile.mktemp(prefix="aiordma-callgrind-")
+    try:
+        r = subprocess.run(["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}",
+                            *args], capture_output=True, text=True, timeout=timeout, env=_env())
+        if r.returncode:
+            raise RuntimeError(f"client under callgrind failed: {r.stderr[-500:]}")
+        with open(out) as f:
+            m = re.search(r"^(?:summary|totals):\s+(\d+)", f.read(), re.M)
+        if m is None:
+            raise RuntimeError("no totals in the callgrind output")
+        return int(m.group(1))
+    finally:
+        if os.path.exists(out):
+            os.unlink(out)
+
+
+def measure(kind: str, cfg: Config) -> Result:
+    """The cost of one round trip of ``kind`` (``aiordma`` or ``tcp-proto``)."""
+    poll_mode = cfg.poll_mode or "blocking"
+    res = Result(transport=kind, test="cost", size=SIZE, loop=cfg.loop,
+                 note=f"client, {poll_mode}" if kind == "aiordma" else "client")
+    try:
+        proc, port = _server(kind, cfg, poll_mode)
+    except RuntimeError as exc:
+        res.error = str(exc)
+        return res
+    try:
+        r = subprocess.run(_client_args(kind, port, CALLS_N, True, cfg, poll_mode),
+                           capture_output=True, text=True, timeout=300, env=_env())
+        if r.returncode:
+            res.error = f"client failed: {r.stderr[-300:]}"
+            return res
+        res.extra["python_calls_per_rt"] = json.loads(r.stdout.strip().splitlines()[-1])[
+            "calls_per_rt"]
+        if shutil.which("valgrind") is None:
+            res.extra["instructions_note"] = "valgrind not installed"
+            return res
+        t = max(600.0, cfg.max_seconds * 100)
+        totals = [_instructions(_client_args(kind, port, n, False, cfg, poll_mode), t)
+                  for n in (N1, N2)]
+        res.extra["instructions_per_rt"] = (totals[1] - totals[0]) / (N2 - N1)
+        res.ops = N2 - N1
+    except (RuntimeError, subprocess.TimeoutExpired, ValueError) as exc:
+        res.error = str(exc)
+    finally:
+        proc.kill()
+        proc.wait(10)
+    return res
+
+
+def bench(cfg: Config) -> list[Result]:
+    """Both kinds, then the ratios aiordma / tcp-proto in aiordma's ``extra``
+    (``instructions_ratio``, ``python_calls_ratio``)."""
+    results = [measure(kind, cfg) for kind in KINDS]
+    aio, tcp = results
+    for key in ("instructions", "python_calls"):
+        a, b = aio.extra.get(f"{key}_per_rt"), tcp.extra.get(f"{key}_per_rt")
+        if a is not None and b:
+            aio.extra[f"{key}_ratio"] = a / b
+    return results
+
+
+def format_rows(results: list[Result]) -> list[str]:
+    """The table section of ``--tests cost``."""
+    out = ["", "Cost of one 64 B round trip, client side (callgrind: user-space instructions; "
+           "interpreted Python calls)",
+           f"{'transport':10s} {'instructions':>12s} {'ratio':>7s} {'calls':>7s}  note"]
+    for r in results:
+        if r.error:
+            out.append(f"{r.transport:10s} ERROR {r.error}")
+            continue
+        ins = r.extra.get("instructions_per_rt")
+        ratio = r.extra.get("instructions_ratio")
+        out.append(f"{r.transport:10s} {ins:>12,.0f} " if ins is not None else
+                   f"{r.transport:10s} {r.extra.get('instructions_note', '-'):>12s} ")
+        out[-1] += (f"{ratio:>6.2f}x " if ratio else f"{'':>7s} ")
+        out[-1] += f"{r.extra.get('python_calls_per_rt', 0):>7.1f}  {r.note}"
+    return out
+
+
+if __name__ == "__main__":
+    worker(sys.argv[1:])

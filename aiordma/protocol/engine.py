@@ -1,0 +1,276 @@
+"""The message engine: one connection's data path, sans-IO (no event loop, no provider).
+
+It owns everything an endpoint decides per message: the connection's state
+(``state.py``, the one source of it), receive credits (``credits.py``), the send
+queues, posting and signaling (``sender.py``), the receive buffers, received messages
+and rendezvous reads (``receiver.py``), and the single failure path. Events come in
+as calls -- a user's request (queued ops), a work completion (``on_send_completion``,
+``on_recv_completion``), the peer's credits (in frames) -- and actions go out through
+its ``port``: work requests to post, buffers to re-post, hints to the completion
+reactor, the endpoint's lifecycle hooks; waiters (``ops.Waiter``) are resolved with
+their results. ``Endpoint`` is the asyncio face that turns them into futures.
+
+The port (``EnginePort``) is all the engine knows of the outside; the sans-IO tests
+drive the engine through a recording fake of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from aiordma.errors import (
+    CompletionError,
+    ConnectionClosed,
+    FlushedError,
+    RetryExceededError,
+    RNRRetryExceededError,
+)
+
+from .credits import CreditState
+from .errors import RemoteProtocolError
+from .framing import FrameType
+from .ops import RNDV, Waiter, wake
+from .receiver import Receiver
+from .sender import Sender
+from .sendq import SendQueue
+from .state import ConnectionState, Event, Local, Remote
+
+
+def unexpected(exc: BaseException) -> bool:
+    """True for a failure worth a warning: a failed operation or a protocol violation,
+    not a close, an abort, a flush or the peer gone (retries exhausted)."""
+    return isinstance(exc, CompletionError | RemoteProtocolError) and not isinstance(
+        exc, RetryExceededError | RNRRetryExceededError | FlushedError)
+
+
+class EnginePort(Protocol):
+    """What the engine asks of its driver. Every method runs synchronously; none may
+    call back into the engine except where noted."""
+
+    #: a wr_id for a send WR, larger than every earlier one of this QP (an attribute:
+    #: the driver may bind it to its wr_id allocator, one call less per WR)
+    new_send_id: Callable[[], int]
+
+    def drop_send_id(self, wr_id: int) -> None:
+        """``wr_id`` will never complete (not posted, or retired by a later one)."""
+
+    def post_send(self, wrs: list[Any]) -> None:
+        """Post a chain of send WRs. Raises RDMAError (nothing of it was posted)."""
+
+    def post_marker(self, wr_id: int) -> None:
+        """Post a signaled zero-length SEND (the flush marker). Raises RDMAError."""
+
+    def post_recv(self, slots: list[int]) -> None:
+        """Post the receive buffers ``slots``. Raises RDMAError (none was posted)."""
+
+    def posted(self) -> None:
+        """Work was posted (the completion reactor may poll)."""
+
+    def expedite(self) -> None:
+        """A frame arrived whose sender waits for its acknowledgement (a burst)."""
+
+    def later(self, fn: Callable[[], None]) -> None:
+        """Call ``fn`` at the end of this loop iteration (may call into the engine)."""
+
+    def new_waiter(self, *, quiet: bool = False) -> Waiter:
+        """A fresh waiter (``quiet``: its failure is not reported when nobody awaits it)."""
+
+    def when_done(self, waiter: Waiter, fn: Callable[[bool], None]) -> None:
+        """Call ``fn(succeeded)`` once ``waiter`` is done (may call into the engine)."""
+
+    def set_atomic_target(self, wr: Any, addr: int, lkey: int) -> None:
+        """Point atomic ``wr``'s result at the 8 bytes at ``addr``."""
+
+    def rndv_source(self, src: Any) -> tuple[int, int, int]:
+        """``(addr, rkey, length)`` of a rendezvous send's registered source."""
+
+    def release_source(self, src: Any) -> None:
+        """A rendezvous send's source is no longer needed."""
+
+    def lease_staging(self, n: int) -> Any:
+        """A staging buffer of ``n`` bytes for a READ (has ``view`` and ``release()``)."""
+
+    def staging_span(self, staging: Any, n: int) -> Any:
+        """The local span (addr, length, lkey) of ``staging``'s first ``n`` bytes."""
+
+    def read_wrs(self, span: Any, length: int, addr: int, rkey: int) -> list[Any]:
+        """The RDMA READ work requests that move ``length`` bytes into ``span``."""
+
+    def qp_to_error(self) -> None:
+        """Move the QP to ERR (ignore a failure to)."""
+
+    #: True once the endpoint's resources are destroyed (nothing may be posted)
+    destroyed: bool
+
+    def on_failed(self, exc: BaseException, unexpected: bool) -> None:
+        """The connection just failed with ``exc`` (after every waiter was failed);
+        ``unexpected``: a failed operation or a protocol violation (worth a warning), not
+        a close, an abort or the peer gone."""
+
+    def check_drained(self) -> None:
+        """A completion arrived after the failure (the teardown waits for the last)."""
+
+    def maybe_closed(self) -> None:
+        """Work finished: a ``close()`` waiting for the pending work may proceed."""
+
+
+class MessageEngine:
+    """One connection's data path (module doc). ``connect()`` before sending."""
+
+    def __init__(self, port: EnginePort, *, spool: Any, rpool: Any, frame_wrs: list[Any],
+                 eager: int, max_message_size: int, inline_cap: int, send_depth: int,
+                 signal_interval: int, signal_bytes: int, repost_batch: int,
+                 rndv_prefetch: int, busy_ahead: int) -> None:
+        self.port = port
+        self.state = ConnectionState()
+        self.credits: CreditState | None = None
+        self.first_error: BaseException | None = None
+        self.eager = eager
+        self.eager_payload = eager - 8
+        self.max_message_size = max_message_size
+        self.inline_cap = inline_cap
+        self.batching = False  # the peer accepts BATCH frames (handshake flag)
+        self._repost_batch_asked = repost_batch
+        self.tx = Sender(self, spool, frame_wrs,
+                         SendQueue(send_depth, signal_interval, signal_bytes))
+        self.rx = Receiver(self, rpool, 1, rndv_prefetch, busy_ahead)
+
+    def connect(self, peer_credits: int, local_slots: int, peer_eager: int,
+                peer_max_message: int, batching: bool) -> None:
+        """The handshake is done: the peer's limits. Raises ValueError (credits)."""
+        if peer_eager != self.eager:  # frames must fit the peer's receive buffers
+            self.eager = min(self.eager, peer_eager)
+            self.eager_payload = self.eager - 8
+        self.max_message_size = min(self.max_message_size, peer_max_message)
+        self.batching = batching
+        self.credits = CreditState(peer_credits, local_slots,
+                                   repost_batch=self._repost_batch_asked)
+        self.rx.repost_batch = self.credits.repost_batch
+
+    # ---------------------------------------------------------------- events
+    def on_send_completion(self, wc: Any) -> None:
+        self.tx.on_wc(wc)
+
+    def on_recv_completion(self, wc: Any, slot: int) -> None:
+        self.rx.on_wc(wc, slot)
+
+    def shut_wr(self) -> None:
+        """No more data from us (``send_eof``/``close`` began); our CLOSE follows."""
+        if not self.state.failed:
+            self.state.handle(Event.SHUT_WR)
+
+    def queue_close(self, waiter: Waiter, *, final: bool) -> bool:
+        """Queue our CLOSE frame once (it completes ``waiter``); ``final``: nothing is
+        sent after it. False when it cannot go (failed, the peer gone): ``waiter`` was
+        failed instead."""
+        st = self.state
+        if not st.failed and final:
+            st.handle(Event.CLOSE)
+        if st.local is Local.CLOSE_SENT and not st.failed:
+            return True
+        if st.failed or st.remote is Remote.GONE:
+            waiter.set_exception(self.closed_error() if st.failed
+                                 else ConnectionClosed("the peer closed the connection"))
+            return False
+        st.handle(Event.SEND_CLOSE)
+        self.tx.queue_ctrl(FrameType.CLOSE, 0, waiter)
+        return True
+
+    def peer_gone(self) -> None:
+        """The peer sent CLOSE and then tore its endpoint down. What we received stays
+        readable, but nothing can be sent: fail what waits to be posted (sends short of
+        credits, one-sided work) or for RNDV_DONE (it would wait forever); nothing more
+        is posted (a frame to the dead QP would fail the connection and lose what is left
+        to read)."""
+        if self.state.failed:
+            return
+        self.state.handle(Event.PEER_GONE)
+
+        def gone() -> ConnectionClosed:
+            return ConnectionClosed("the peer closed the connection")
+
+        tx = self.tx
+        tx.fail_queued(gone)
+        in_sq = {id(op) for _w, op in tx.sq.entries()}
+        for msg_id, op in list(tx.rndv_out.items()):
+            if op.fut is not None and not op.fut.done():
+                op.fut.set_exception(gone())
+            if id(op) not in in_sq:  # else its completion (or teardown) releases it
+                del tx.rndv_out[msg_id]
+                self.port.release_source(op.payload)
+
+    def fail_unacknowledged(self) -> None:
+        """After the peer's CLOSE and teardown, the sends it never acknowledged: their
+        waiters fail with ConnectionClosed (their buffers stay pinned until teardown)."""
+        if self.state.failed:
+            return
+        for op in self.tx.posted_ops():
+            if op.fut is not None and not op.fut.done():
+                op.fut.set_exception(ConnectionClosed("the peer closed the connection"))
+
+    # ---------------------------------------------------------------- queries
+    def ops_pending(self) -> bool:
+        """Work somebody waits for: posted and awaited, queued, or rendezvous sends
+        waiting for RNDV_DONE."""
+        tx = self.tx
+        return bool(tx.sq.awaited or tx.sendq or tx.oneq or tx.ctrlq or tx.rndv_out)
+
+    def closed_error(self) -> ConnectionClosed:
+        """The ConnectionClosed for an operation refused or failed now (``__cause__``:
+        the first error)."""
+        first = self.first_error
+        if first is not None:
+            if isinstance(first, ConnectionClosed):
+                exc = ConnectionClosed(first.strerror or "connection closed")
+                exc.__cause__ = first.__cause__
+                return exc
+            why = first.strerror if isinstance(first, OSError) and first.strerror else first
+            exc = ConnectionClosed(f"connection failed: {why}")
+            exc.__cause__ = first
+            return exc
+        return ConnectionClosed("endpoint is closed")
+
+    # ---------------------------------------------------------------- failure
+    def fail(self, exc: BaseException) -> None:
+        """The single failure path: record the first error, QP to ERR, fail every waiter.
+        Runs once. Posted WRs complete later with WR_FLUSH_ERR; their buffers stay
+        pinned until then."""
+        if self.first_error is not None:
+            return
+        self.first_error = exc
+        self.state.handle(Event.FAIL)
+        port = self.port
+        port.qp_to_error()
+        tx, rx = self.tx, self.rx
+        tx.post_flush_marker()
+        err = self.closed_error()
+        tx.fail_queued(lambda: err)
+        for op in tx.posted_ops():
+            if op.fut is not None and not op.fut.done():
+                op.fut.set_exception(self.closed_error())
+        for op in tx.rndv_out.values():
+            if op.fut is not None and not op.fut.done():
+                op.fut.set_exception(self.closed_error())
+        for m in rx.rx:
+            if m.read is not None and not m.read.done():
+                m.read.set_exception(self.closed_error())
+        wake(rx.rx_waiters)
+        wake(rx.imm_waiters)
+        port.on_failed(exc, unexpected(exc))
+
+    def drain_for_teardown(self) -> None:
+        """The QP is destroyed (or about to be): drop every posted entry and release what
+        rendezvous held (staging of received messages, our sources)."""
+        port = self.port
+        for wr_id, op in self.tx.sq.drain():
+            port.drop_send_id(wr_id)
+            if op.kind == RNDV:
+                port.release_source(op.payload)
+        for op in self.tx.rndv_out.values():
+            port.release_source(op.payload)
+        self.tx.rndv_out.clear()
+        for m in self.rx.rx:
+            if m.staging is not None:
+                m.staging.release()
+        self.rx.rx.clear()

@@ -1,0 +1,44 @@
+"""``aiordma bench --tests cost``: the harness runs both clients and counts their Python
+calls (valgrind's instruction counts are left to the benchmark itself: minutes)."""
+
+from __future__ import annotations
+
+import pytest
+
+from aiordma.bench import cost
+from aiordma.bench.common import Config
+
+
+@pytest.fixture
+def no_valgrind(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cost.shutil, "which", lambda name: None)
+    monkeypatch.setattr(cost, "CALLS_N", 200)
+
+
+@pytest.mark.usefixtures("no_valgrind")
+def test_both_clients_run_and_count_calls(provider_name: str) -> None:
+    cfg = Config(tests=["cost"], sizes=[64], loop="asyncio", provider=provider_name)
+    results = cost.bench(cfg)
+    assert [r.transport for r in results] == ["aiordma", "tcp-proto"]
+    for r in results:
+        assert r.error is None, r.error
+        assert r.extra["python_calls_per_rt"] > 0
+        assert r.extra["instructions_note"] == "valgrind not installed"
+    aio, tcp = results
+    assert aio.extra["python_calls_ratio"] == pytest.approx(
+        aio.extra["python_calls_per_rt"] / tcp.extra["python_calls_per_rt"])
+    rows = "\n".join(cost.format_rows(results))
+    assert "aiordma" in rows and "tcp-proto" in rows and "valgrind not installed" in rows
+
+
+def test_rows_show_instructions_and_their_ratio() -> None:
+    from aiordma.bench.common import Result
+
+    aio = Result("aiordma", "cost", 64, note="client, blocking",
+                 extra={"instructions_per_rt": 30000.0, "python_calls_per_rt": 5.0,
+                        "instructions_ratio": 2.5})
+    tcp = Result("tcp-proto", "cost", 64, note="client",
+                 extra={"instructions_per_rt": 12000.0, "python_calls_per_rt": 4.0})
+    rows = cost.format_rows([aio, tcp])
+    assert any("30,000" in r and "2.50x" in r for r in rows)
+    assert any("12,000" in r for r in rows)

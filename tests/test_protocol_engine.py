@@ -1,0 +1,227 @@
+"""The message engine (aiordma.protocol.engine) without a loop or a provider: what it
+posts, how completions finish operations, credits, BATCH frames, rendezvous reads,
+EOF, protocol violations and the failure path; and two engines back to back."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from _engine_sim import EAGER, Port, Waiter, Wire, make_engine
+
+from aiordma.errors import ConnectionClosed, RemoteAccessError
+from aiordma.protocol.errors import RemoteProtocolError
+from aiordma.protocol.framing import FrameType, parse_frame, write_close, write_data_header
+from aiordma.protocol.ops import DATA, RNDV, RX_DATA, RX_EOF, RX_RNDV, Op
+from aiordma.protocol.state import Local, Remote, State
+from aiordma.verbs.enums import WCOpcode, WCStatus, WROpcode
+from aiordma.verbs.wr import WC
+
+
+def connected(depth: int = 16, **kw: object) -> tuple[object, ...]:
+    """An engine whose peer posted ``depth`` receive buffers, as it does."""
+    port = Port()
+    e, spool, rpool = make_engine(port, recv_depth=depth, send_depth=depth, **kw)  # type: ignore[arg-type]
+    e.connect(peer_credits=depth, local_slots=depth, peer_eager=EAGER,
+              peer_max_message=1 << 20, batching=True)
+    return e, spool, rpool, port
+
+
+def frame_of(spool, wr) -> object:  # type: ignore[no-untyped-def]
+    off = wr.sg_list[0].addr - spool.base
+    return parse_frame(spool.view[off: off + wr.sg_list[0].length], wr.sg_list[0].length, 1 << 20)
+
+
+def send(e, data: bytes) -> Waiter:  # type: ignore[no-untyped-def]
+    w = Waiter()
+    e.tx.sendq.append(Op(DATA, w, memoryview(data)))
+    e.tx.kick()
+    return w
+
+
+def recv_frame(e, rpool, port, slot: int, build) -> None:  # type: ignore[no-untyped-def]
+    n = build(rpool.slot(slot))
+    e.on_recv_completion(WC(slot, WCStatus.SUCCESS, WCOpcode.RECV, n), slot)
+
+
+def test_a_send_posts_one_data_frame_and_completes() -> None:
+    e, spool, _rpool, port = connected()
+    w = send(e, b"hello")
+    (chain,) = port.sends
+    (wr,) = chain
+    f = frame_of(spool, wr)
+    assert f.type == FrameType.DATA and f.payload_len == 5 and wr.send_flags & 2
+    assert not w.done() and spool.available == spool.count - 1
+    e.on_send_completion(WC(wr.wr_id, WCStatus.SUCCESS, WCOpcode.SEND))
+    assert w.done() and w.exc is None and spool.available == spool.count
+
+
+def test_sends_of_one_iteration_share_a_batch_frame() -> None:
+    e, spool, _rpool, port = connected()
+    first = send(e, b"a")  # the fast path: posted at once
+    rest = [send(e, b"%d" % i) for i in range(5)]  # queued to the end of the iteration
+    assert len(port.sends) == 1
+    port.turn()
+    assert len(port.sends) == 2 and len(port.sends[1]) == 1
+    f = frame_of(spool, port.sends[1][0])
+    assert f.type == FrameType.BATCH and f.aux == 5
+    assert e.tx.messages_batched == 5
+    for chain in port.sends:
+        e.on_send_completion(WC(chain[-1].wr_id, WCStatus.SUCCESS, WCOpcode.SEND))
+    assert first.done() and all(w.done() and w.exc is None for w in rest)
+
+
+def test_sends_wait_for_credits_and_go_when_they_come_back() -> None:
+    e, _spool, rpool, port = connected()
+    waiters = []
+    for i in range(20):
+        waiters.append(send(e, b"%d" % i))
+        port.turn()
+    posted = sum(len(c) for c in port.sends)
+    assert posted < 20 and e.tx.sendq  # out of credits: the rest waits (no RNR ever)
+    # the peer re-posted 8 buffers and says so in a frame's header
+    slot = port.recvs[0]
+    recv_frame(e, rpool, port, slot, lambda buf: write_data_header(buf, 8, 0))
+    assert sum(len(c) for c in port.sends) > posted
+
+
+def test_received_data_is_queued_and_buffers_come_back_in_batches() -> None:
+    e, _spool, rpool, port = connected()
+    posted = list(port.recvs)
+    for i, slot in enumerate(posted[:4]):
+        recv_frame(e, rpool, port, slot,
+                   lambda buf, i=i: write_data_header(buf, 0, 1) + _put(buf, 8, b"%d" % i))
+    assert [m.kind for m in e.rx.rx] == [RX_DATA] * 4
+    reposted = len(port.recvs)
+    for _ in range(3):
+        e.rx.consume_data(e.rx.rx[0])
+    assert len(port.recvs) == reposted  # fewer than repost_batch (4) wait
+    e.rx.consume_data(e.rx.rx[0])
+    assert len(port.recvs) == reposted + 4 and e.credits.owed == 4  # type: ignore[union-attr]
+
+
+def test_close_is_eof_and_data_after_it_is_a_protocol_violation() -> None:
+    e, _spool, rpool, port = connected()
+    slots = list(port.recvs)
+    recv_frame(e, rpool, port, slots[0], lambda buf: write_close(buf, 0))
+    assert e.rx.rx[-1].kind == RX_EOF and e.state.remote is Remote.CLOSED
+    pending = send(e, b"we may still send")
+    assert not pending.done() and e.state.can_send
+    recv_frame(e, rpool, port, slots[1], lambda buf: write_data_header(buf, 0, 0))
+    assert isinstance(e.first_error, RemoteProtocolError)
+    assert e.state.failed and port.errors_qp == 1 and port.failed
+    assert isinstance(pending.exc, ConnectionClosed)
+
+
+def test_our_close_goes_once_and_nothing_after_it_when_final() -> None:
+    e, spool, _rpool, port = connected()
+    e.shut_wr()
+    assert not e.state.can_send and e.state.local is Local.DRAINING
+    eof = Waiter()
+    assert e.queue_close(eof, final=True)
+    assert e.state.local is Local.CLOSE_SENT and e.state.final
+    f = frame_of(spool, port.sends[-1][-1])
+    assert f.type == FrameType.CLOSE
+    assert e.queue_close(Waiter(), final=True)  # once
+    assert len(port.sends) == 1
+
+
+def test_a_failed_completion_fails_everything_once() -> None:
+    e, _spool, _rpool, port = connected()
+    a = send(e, b"a")
+    b = send(e, b"b")  # queued behind the fast path
+    wr = port.sends[0][0]
+    e.on_send_completion(WC(wr.wr_id, WCStatus.REM_ACCESS_ERR, WCOpcode.SEND))
+    assert isinstance(a.exc, RemoteAccessError)  # the op's own typed error
+    assert isinstance(b.exc, ConnectionClosed) and b.exc.__cause__ is a.exc
+    assert e.state.state is State.FAILED and port.errors_qp == 1 and len(port.failed) == 1
+    e.fail(ConnectionClosed("again"))  # runs once
+    assert len(port.failed) == 1
+
+
+def test_a_rendezvous_announcement_is_read_ahead_into_staging() -> None:
+    e, _spool, rpool, port = connected()
+    slot = port.recvs[0]
+    from aiordma.protocol.framing import write_rndv
+
+    recv_frame(e, rpool, port, slot, lambda buf: write_rndv(buf, 0, 42, 5000, 0xAB00, 0x77))
+    (m,) = e.rx.rx
+    assert m.kind == RX_RNDV and m.length == 5000 and m.read is not None
+    (read,) = port.sends[-1]
+    assert read.opcode == WROpcode.RDMA_READ and read.remote_addr == 0xAB00 and read.rkey == 0x77
+    e.on_send_completion(WC(read.wr_id, WCStatus.SUCCESS, WCOpcode.RDMA_READ, 5000))
+    assert m.read.done() and m.done_sent  # staged: the sender's source is released now
+    done = frame_of(_spool_of(e), port.sends[-1][-1])
+    assert done.type == FrameType.RNDV_DONE and done.aux == 42
+    e.rx.consume_rndv(m)
+    assert port.staged[0].released
+
+
+def test_a_rendezvous_send_completes_on_rndv_done() -> None:
+    e, spool, rpool, port = connected()
+    w = Waiter()
+    e.tx.sendq.append(Op(RNDV, w, payload=(0xC000, 0x55, 9000), msg_id=e.tx.next_msg_id()))
+    e.tx.kick()
+    f = frame_of(spool, port.sends[0][0])
+    assert f.type == FrameType.RNDV and f.rndv_addr == 0xC000 and f.rndv_length == 9000
+    e.on_send_completion(WC(port.sends[0][0].wr_id, WCStatus.SUCCESS, WCOpcode.SEND))
+    assert not w.done()  # the frame is out; the receiver has not read it yet
+    from aiordma.protocol.framing import write_rndv_done
+
+    recv_frame(e, rpool, port, port.recvs[0], lambda buf: write_rndv_done(buf, 0, f.aux, True))
+    assert w.done() and w.exc is None and not e.tx.rndv_out
+
+
+def test_post_failure_fails_the_connection() -> None:
+    e, _spool, _rpool, port = connected()
+    from aiordma.errors import PostError
+
+    port.fail_next_post = PostError(22, "bad")
+    w = send(e, b"x")
+    assert isinstance(w.exc, PostError) and e.state.failed
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_two_engines_back_to_back(seed: int) -> None:
+    """Random bursts of messages both ways through the credit window: every message
+    arrives once, in order, whole; no receive buffer is ever missing (no RNR)."""
+    rng = random.Random(seed)
+    a = connected(8)
+    b = connected(8, base=0x800000)
+    wire = Wire(a, b)  # type: ignore[arg-type]
+    sent: list[list[bytes]] = [[], []]
+    got: list[list[bytes]] = [[], []]
+    waiters: list[Waiter] = []
+    for _round in range(40):
+        for i in (0, 1):
+            e = a[0] if i == 0 else b[0]
+            for _ in range(rng.randrange(0, 6)):
+                data = rng.randbytes(rng.randrange(0, EAGER - 8))
+                sent[i].append(data)
+                waiters.append(send(e, data))
+        wire.run()
+        for i, (e, _s, rpool, _p) in enumerate((a, b)):
+            while e.rx.rx and rng.random() < 0.8:
+                m = e.rx.rx[0]
+                got[1 - i].append(bytes(rpool.view[m.offset: m.offset + m.length]))
+                e.rx.consume_data(m)
+            wire.run()
+    for _ in range(200):  # drain everything
+        for i, (e, _s, rpool, _p) in enumerate((a, b)):
+            while e.rx.rx:
+                m = e.rx.rx[0]
+                got[1 - i].append(bytes(rpool.view[m.offset: m.offset + m.length]))
+                e.rx.consume_data(m)
+        if not wire.step() and not a[0].tx.sendq and not b[0].tx.sendq:
+            break
+    assert got == sent
+    assert all(w.done() and w.exc is None for w in waiters)
+
+
+def _put(buf, off: int, data: bytes) -> int:  # type: ignore[no-untyped-def]
+    buf[off: off + len(data)] = data
+    return len(data)
+
+
+def _spool_of(e):  # type: ignore[no-untyped-def]
+    return e.tx.spool
