@@ -29,6 +29,7 @@ LAYERS: dict[str, int] = {
     "transport": 8,
     "rdma_transport": 8,
     "streams": 9,
+    "dask": 10,  # the rdma:// backend of distributed, over the public API
     "__init__": 10,
     "__main__": 11,
     "bench": 11,
