@@ -627,6 +627,11 @@ class Endpoint:
         the peer sees the connection drop. Idempotent."""
         self._life.abort()
 
+    def _abort_now(self) -> None:
+        """``abort`` that also destroys every resource before returning: for a task being
+        cancelled, whose loop may be shutting down (``asyncio.run`` at exit)."""
+        self._life.abort(now=True)
+
     async def wait_closed(self) -> None:
         """Wait until every resource of the endpoint is destroyed."""
         await uncancelled(self._life.done)

@@ -240,12 +240,16 @@ class Lifecycle:
             return
         self._engine.queue_close(eof, final=final)
 
-    def abort(self) -> None:
-        """``Endpoint.abort``."""
+    def abort(self, now: bool = False) -> None:
+        """``Endpoint.abort``. ``now``: also destroy every resource before returning (for a
+        caller being cancelled, e.g. by asyncio.run() at exit, which would otherwise leave
+        the teardown to a task that never runs)."""
         if self.closing is None:
             self.closing = self._loop.create_future()
             self.closing.set_result(None)
         self._engine.fail(ConnectionClosed("endpoint was aborted"))
+        if now:
+            self.destroy_now()
 
     # ---------------------------------------------------------------- teardown
     def _start_teardown(self) -> None:
@@ -274,7 +278,9 @@ class Lifecycle:
         if self.done.done():
             return
         task = self._teardown_task
-        if task is not None and not task.done() and task is not asyncio.current_task():
+        # (no running loop: the task's coroutine is being closed by the GC)
+        running = asyncio.current_task() if self._loop.is_running() else None
+        if task is not None and not task.done() and task is not running:
             task.cancel()  # it only waits for the flush; its finally finds us done
         try:
             if self._watch_task is not None and not self._watch_task.done():

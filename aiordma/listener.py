@@ -171,7 +171,7 @@ class Listener:
         try:
             await self._handler(ep)
         except asyncio.CancelledError:
-            ep.abort()
+            ep._abort_now()  # a teardown task started now might never run (loop shutdown)
             raise
         except Exception:
             log.exception("aiordma: connection handler raised; aborting its endpoint")

@@ -815,6 +815,38 @@ async def test_handler_exception_keeps_listener_serving(opts: dict) -> None:
         await listener.wait_closed()
 
 
+async def test_cancelled_handler_destroys_its_endpoint_before_it_ends(opts: dict) -> None:
+    """A handler cancelled (as asyncio.run() cancels what is left at exit) leaves nothing
+    to a teardown task that may never run: its endpoint is destroyed by the time the
+    handler's task has finished, and the client sees the connection drop."""
+    got: asyncio.Queue[aiordma.Endpoint] = asyncio.Queue()
+
+    async def handler(ep: aiordma.Endpoint) -> None:
+        got.put_nowait(ep)
+        await asyncio.Event().wait()
+
+    listener = await aiordma.listen(handler, HOST, 0, **opts)
+    try:
+        ep = await aiordma.connect(HOST, listener.port, **opts)
+        srv = await server_ep(got)
+        await ep.send(b"in flight")  # a receive consumed, the server's others still posted
+        tasks = set(listener._tasks)
+        assert len(tasks) == 1
+        for t in tasks:
+            t.cancel()
+        await asyncio.wait(tasks, timeout=T)
+        assert all(t.cancelled() for t in tasks)
+        assert srv.closed
+        assert srv._life.done.done(), "the endpoint was left to a teardown task"
+        with pytest.raises(aiordma.ConnectionClosed):
+            await asyncio.wait_for(ep.recv(), T)
+        ep.abort()
+        await asyncio.wait_for(ep.wait_closed(), T)
+    finally:
+        listener.close()
+        await listener.wait_closed()
+
+
 async def test_soak_random_sizes_and_cancellations(opts: dict) -> None:
     """Random sizes, random receive cancellations: totals match exactly."""
     rng = random.Random(1234)
