@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import ssl
 from typing import Any
 
@@ -17,6 +18,24 @@ MiB = 1024 * KiB
 #: underneath; verbs: 14, 67 ms a try (0.54 s): the NIC answers for its host, and a
 #: retry resends what a lossy fabric dropped.
 DEFAULT_ACK_TIMEOUT = {"soft": 18, "verbs": 14}
+
+
+DEFAULT_LIVENESS_TIMEOUT = 8.0
+
+
+def _liveness_default() -> float | None:
+    """``liveness_timeout``'s default: ``AIORDMA_LIVENESS_TIMEOUT`` (seconds, or ``none``)
+    when set -- an emulated or heavily loaded machine, whose event loops can stall for
+    seconds, wants more -- else ``DEFAULT_LIVENESS_TIMEOUT``. ValueError if invalid."""
+    raw = os.environ.get("AIORDMA_LIVENESS_TIMEOUT")
+    if not raw:
+        return DEFAULT_LIVENESS_TIMEOUT
+    if raw.strip().lower() == "none":
+        return None
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError(f"AIORDMA_LIVENESS_TIMEOUT={raw!r} is not a number or 'none'") from None
 
 
 @dataclasses.dataclass
@@ -62,8 +81,9 @@ class EndpointOptions:
       heartbeat on the setup connection, every quarter of it) after which the endpoint
       fails with ``PeerUnresponsive``: a peer frozen, or cut off, is found
       ``liveness_timeout * 3/4`` to ``liveness_timeout`` after it went silent. Default
-      8 s: a 3 s pause of the peer passes, a silent peer is found within 8 s. None:
-      this side never gives up on the peer (it still answers the peer's heartbeat).
+      8 s, or ``AIORDMA_LIVENESS_TIMEOUT``: a 3 s pause of the peer passes, a silent
+      peer is found within 8 s. None: this side never gives up on the peer (it still
+      answers the peer's heartbeat).
     """
 
     provider: str | None = None
@@ -88,7 +108,7 @@ class EndpointOptions:
     max_wr_size: int | None = None
     ack_timeout: int | None = None
     retry_cnt: int = 7
-    liveness_timeout: float | None = 8.0
+    liveness_timeout: float | None = dataclasses.field(default_factory=_liveness_default)
 
     @classmethod
     def from_kwargs(cls, opts: dict[str, Any]) -> EndpointOptions:

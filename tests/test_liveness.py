@@ -55,8 +55,17 @@ def _hold(port: int, *args: str) -> Peer:
     return hold
 
 
-def test_liveness_options_and_negotiation() -> None:
+def test_liveness_options_and_negotiation(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("AIORDMA_LIVENESS_TIMEOUT", raising=False)
     assert EndpointOptions().liveness_timeout == 8.0
+    for raw, want in (("60", 60.0), ("0.5", 0.5), ("none", None), ("None", None), ("", 8.0)):
+        monkeypatch.setenv("AIORDMA_LIVENESS_TIMEOUT", raw)
+        assert EndpointOptions.from_kwargs({}).liveness_timeout == want, raw
+    for bad in ("soon", "-1"):
+        monkeypatch.setenv("AIORDMA_LIVENESS_TIMEOUT", bad)
+        with pytest.raises(ValueError, match="(AIORDMA_)?LIVENESS_TIMEOUT|liveness_timeout"):
+            EndpointOptions.from_kwargs({})
+    monkeypatch.delenv("AIORDMA_LIVENESS_TIMEOUT")
     assert EndpointOptions.from_kwargs({"liveness_timeout": None}).liveness_timeout is None
     for bad in (0, -1.0):
         with pytest.raises(ValueError, match="liveness_timeout"):
