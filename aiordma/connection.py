@@ -31,7 +31,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import errno
+import ipaddress
 import logging
+import os
 import socket
 import ssl as _ssl
 from collections.abc import Awaitable, Callable
@@ -44,6 +46,7 @@ from .errors import (
     ConnectionRefused,
     HandshakeError,
     HandshakeTimeout,
+    PeerUnreachable,
     RDMAError,
     ResourceLimitError,
     fd_limit_error,
@@ -228,10 +231,7 @@ async def connect(host: str, port: int, *, timeout: float = 10.0, **opts: Any) -
                 msg.params.mac, auth.server_mac(secret, hello.mac, msg.params)):
             raise AuthenticationError(f"{where} did not prove the shared secret")
         _check_peer(device, ep, msg.params, writer)
-        try:
-            ep.establish(msg.params)
-        except OSError as exc:
-            raise _limit(exc, "connecting the endpoint") from None
+        _establish(ep, msg.params, writer, "connecting the endpoint")
         writer.write(encode_ready())
         await writer.drain()
         ep.start(reader, writer)
@@ -252,6 +252,56 @@ def _check_peer(device: Device, ep: Endpoint, peer: Hello, writer: asyncio.Strea
         problem = device.ctx.peer_address_problem(peer.gid, peer.lid, peername[0])
         if problem is not None:
             raise HandshakeError(f"refused: {problem}")
+
+
+#: ibv_modify_qp's errors (INIT->RTR) when the kernel finds no path to the destination
+#: GID. For RoCE it resolves the GID's IP address to a MAC address there: a route lookup
+#: bound to the netdev of our GID (which takes a destination without a route as on-link:
+#: between two Soft-RoCE guests such a GID was reachable whenever its host answered ARP
+#: for it), then neighbour resolution, waiting about a second for an ARP answer
+#: (ETIMEDOUT or EHOSTUNREACH when none comes; ENETUNREACH where the lookup fails). The
+#: modify blocks the event loop for that long.
+_UNREACHABLE = frozenset({errno.ENETUNREACH, errno.EHOSTUNREACH, errno.ETIMEDOUT})
+
+
+def _establish(ep: Endpoint, peer: Hello, writer: asyncio.StreamWriter, what: str) -> None:
+    """``ep.establish(peer)``. Raises PeerUnreachable when the device finds no path to
+    the peer's GID (the message says which GIDs and which setup connection),
+    ResourceLimitError when out of descriptors, else what establish raised."""
+    try:
+        ep.establish(peer)
+    except OSError as exc:
+        if isinstance(exc, RDMAError) and exc.errno in _UNREACHABLE:
+            raise _unreachable(ep, peer, writer, exc) from exc
+        raise _limit(exc, what) from None
+
+
+def _gid_text(gid: bytes) -> str:
+    """A GID as an address: ``::ffff:a.b.c.d`` for an IPv4-mapped (RoCE v2) one."""
+    try:
+        a = ipaddress.IPv6Address(bytes(gid))
+    except ValueError:
+        return bytes(gid).hex()
+    return f"::ffff:{a.ipv4_mapped}" if a.ipv4_mapped else str(a)
+
+
+def _unreachable(ep: Endpoint, peer: Hello, writer: asyncio.StreamWriter,
+                 exc: RDMAError) -> PeerUnreachable:
+    code = exc.errno or errno.EHOSTUNREACH
+    ours = ep._gid_index
+    try:
+        our_gid = _gid_text(ep._device.ctx.query_gid(1, ours))
+    except OSError:
+        our_gid = "?"
+    local = writer.get_extra_info("sockname")
+    remote = writer.get_extra_info("peername")
+    return PeerUnreachable(code, (
+        f"no RDMA path to the peer's GID {_gid_text(peer.gid)} from {ep.device_name} port 1 "
+        f"(our GID index {ours}: {our_gid}): {os.strerror(code)} "
+        f"[{errno.errorcode.get(code, code)}]; the setup connection "
+        f"{local[0] if local else '?'} -> {remote[0] if remote else '?'} works, so the "
+        f"peer's GID is on a network this device does not reach (check the peer's RDMA "
+        f"device, its addresses and AIORDMA_GID_INDEX); the device said: {exc.strerror}"))
 
 
 async def _discard(writer: asyncio.StreamWriter, ep: Endpoint | None) -> None:

@@ -150,6 +150,17 @@ class HandshakeTimeout(HandshakeError, TimeoutError):
         OSError.__init__(self, errno.ETIMEDOUT, msg)
 
 
+class PeerUnreachable(HandshakeError):
+    """The peer's setup connection works but its RDMA port cannot be reached: the device
+    found no path to the GID the peer announced (RoCE: no route to the GID's IP address,
+    or no neighbour answered for it), so the QP could not be connected. ``errno`` is the
+    device's (``ENETUNREACH``, ``EHOSTUNREACH``, ``ETIMEDOUT``); the message names the
+    peer's GID, ours and the setup connection's addresses."""
+
+    def __init__(self, err: int, msg: str) -> None:
+        OSError.__init__(self, err, msg)
+
+
 class AuthenticationError(HandshakeError):
     """The peer failed the shared-secret authentication of connection setup (wrong or
     missing ``secret=``), or a peer that must authenticate did not."""

@@ -22,6 +22,7 @@ from .connection import (
     _check_peer,
     _device_for,
     _discard,
+    _establish,
     _keepalive,
     _limit,
     _quiet,
@@ -207,10 +208,7 @@ class Listener:
                 hello = dataclasses.replace(ep.local_hello(writer.get_extra_info("sockname")[0]),
                                             nonce=nonce)
                 hello = dataclasses.replace(hello, mac=auth.server_mac(secret, msg.mac, hello))
-                try:
-                    ep.establish(msg)
-                except OSError as exc:
-                    raise _limit(exc, "the listener cannot connect the endpoint") from None
+                _establish(ep, msg, writer, "the listener cannot connect the endpoint")
             except (HandshakeError, ResourceLimitError) as exc:
                 _reply(writer, _reject_for(exc))
                 raise

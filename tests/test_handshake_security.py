@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import http.server
 import socket
 import ssl
@@ -252,3 +253,36 @@ def test_same_host_rules() -> None:
     assert not addr.same_host("192.0.2.7", "127.0.0.1")
     assert not addr.same_host("10.1.2.3", "10.1.2.4")
 
+
+
+@pytest.mark.parametrize("side", ["client", "listener"])
+async def test_no_path_to_the_peers_gid_is_named(opts: dict, side: str,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A device that finds no path to the peer's GID when connecting the QP (RoCE:
+    ibv_modify_qp to RTR fails with ENETUNREACH; here simulated on the side under test)
+    makes the client raise PeerUnreachable naming both GIDs and the setup connection;
+    on the listener's side the client gets a REJECT that says so. (Two real hosts:
+    tests/test_rxe_two_hosts.py.)"""
+    from aiordma.endpoint import Endpoint
+
+    real = Endpoint.establish
+    calls: list[str] = []
+
+    def establish(self: Endpoint, peer: Hello) -> None:
+        calls.append("listener" if not calls else "client")  # the listener's comes first
+        if calls[-1] == side:
+            raise aiordma.RDMAError(errno.ENETUNREACH,
+                                    "ibv_modify_qp INIT->RTR: Network is unreachable")
+        real(self, peer)
+
+    monkeypatch.setattr(Endpoint, "establish", establish)
+    async with listening(opts) as listener:
+        want = aiordma.PeerUnreachable if side == "client" else aiordma.ConnectionRefused
+        with pytest.raises(want) as info:
+            await asyncio.wait_for(aiordma.connect(HOST, listener.port, **opts), T)
+    text = str(info.value)
+    assert "no RDMA path to the peer's GID" in text, text
+    if side == "client":
+        assert info.value.errno == errno.ENETUNREACH
+        assert isinstance(info.value, aiordma.HandshakeError)
+        assert f"{HOST} -> {HOST}" in text and "Network is unreachable" in text, text
