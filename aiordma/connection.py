@@ -258,9 +258,9 @@ def _check_peer(device: Device, ep: Endpoint, peer: Hello, writer: asyncio.Strea
 #: GID. For RoCE it resolves the GID's IP address to a MAC address there: a route lookup
 #: bound to the netdev of our GID (which takes a destination without a route as on-link:
 #: between two Soft-RoCE guests such a GID was reachable whenever its host answered ARP
-#: for it), then neighbour resolution, waiting about a second for an ARP answer
-#: (ETIMEDOUT or EHOSTUNREACH when none comes; ENETUNREACH where the lookup fails). The
-#: modify blocks the event loop for that long.
+#: for it), then neighbour resolution, waiting for an ARP answer (ETIMEDOUT or
+#: EHOSTUNREACH when none comes: ETIMEDOUT there, connect failing after 7 s;
+#: ENETUNREACH where the lookup fails). The modify blocks the event loop meanwhile.
 _UNREACHABLE = frozenset({errno.ENETUNREACH, errno.EHOSTUNREACH, errno.ETIMEDOUT})
 
 

@@ -13,7 +13,8 @@ OPTIONS: ``--liveness S`` (``liveness_timeout``; ``none``: off), ``--ack-timeout
   "error", "cause", "t"}`` per connection that ends (``t``: time.monotonic(), one clock
   for every process of the machine). The first message of a connection picks its
   service: ``echo`` (every message back), ``sink`` (read everything), ``region`` (a
-  1 MiB region for one-sided ops and atomics, its descriptor sent back, then echo).
+  1 MiB region for one-sided ops and atomics, its descriptor sent back, then echo),
+  ``path`` (``rdma_path`` of this side's endpoint sent back as JSON, then echo; verbs).
   ``--stream-port``: an ``aiordma.start_server`` echo of lines; ``--proto-port``: an
   ``aiordma.create_server`` Protocol echo.
 * ``api`` runs the endpoint API once (messages of 0 B to ``--max-size``, one-sided
@@ -67,6 +68,20 @@ def _name(exc: BaseException | None) -> str | None:
     return type(exc).__name__ if exc is not None else None
 
 
+def rdma_path(ep: aiordma.Endpoint) -> dict[str, Any]:
+    """The path of ``ep``'s QP as the device reports it (``verbs`` provider only):
+    ``path_mtu`` (bytes) and the address vector's ``sgid_index`` and ``dgid`` from
+    ibv_query_qp, the GID index the endpoint chose for its setup connection's local
+    address (``gid_index``) and the local port's ``active_mtu`` (bytes)."""
+    qp = ep._qp  # the provider's IbvQP: its pyverbs QP and enums
+    e = qp._pv.e
+    attr, _init = qp._qp.query(e["IBV_QP_PATH_MTU"] | e["IBV_QP_AV"])
+    ah = attr.ah_attr
+    return {"path_mtu": 128 << int(attr.path_mtu), "sgid_index": int(ah.sgid_index),
+            "dgid": str(ah.dgid), "gid_index": ep._gid_index,
+            "active_mtu": ep._res.port.active_mtu.bytes}
+
+
 def options(a: argparse.Namespace) -> dict[str, Any]:
     o: dict[str, Any] = {}
     if a.liveness is not None:
@@ -82,6 +97,9 @@ async def serve(a: argparse.Namespace) -> None:
         err: BaseException | None = None
         try:
             kind = await ep.recv()
+            if kind == b"path":
+                await ep.send(json.dumps(rdma_path(ep)).encode())
+                kind = b"echo"
             if kind == b"region":
                 mem = bytearray(MiB)
                 region = ep.register(mem, remote_read=True, remote_write=True,

@@ -49,14 +49,15 @@ fail() {
 
 # shellcheck source=/dev/null
 . "$CTL/settings.sh" || fail "cannot read $CTL/settings.sh"
-: "${RXE_ADDR:=10.0.2.15/24}" "${RXE_GATEWAY:=10.0.2.2}" "${RXE_DEV:=rxe0}"
+: "${RXE_ADDR:=10.0.2.15/24}" "${RXE_GATEWAY=10.0.2.2}" "${RXE_DEV:=rxe0}"
+: "${RXE_MTU:=}" "${RXE_PEER:=}" "${RXE_NAME:=aiordma-rxe}"
 
 # --- basic mounts --------------------------------------------------------------------
 mountpoint -q /tmp || mount -t tmpfs -o mode=1777 tmpfs /tmp || fail "mount /tmp"
 mkdir -p /dev/pts /dev/shm
 mountpoint -q /dev/pts || mount -t devpts -o gid=5,mode=620,ptmxmode=666 devpts /dev/pts
 mountpoint -q /dev/shm || mount -t tmpfs -o mode=1777 tmpfs /dev/shm
-hostname aiordma-rxe 2>/dev/null || echo aiordma-rxe > /proc/sys/kernel/hostname
+hostname "$RXE_NAME" 2>/dev/null || echo "$RXE_NAME" > /proc/sys/kernel/hostname
 modprobe virtio_rng 2>/dev/null || true
 
 mkdir -p "$RESULTS"
@@ -95,9 +96,17 @@ find_nic() {
 }
 nic=""
 wait_for 10 find_nic || fail "no network interface appeared after modprobe virtio_net"
+# RXE_MTU: the NIC's MTU (rxe's active_mtu follows it: the largest IB MTU that fits in
+# it with the RoCE v2 headers: 1500 gives 1024, 2500 gives 2048, 9000 gives 4096).
+if [ -n "$RXE_MTU" ]; then
+    ip link set "$nic" mtu "$RXE_MTU" || fail "ip link set $nic mtu $RXE_MTU"
+fi
 ip link set "$nic" up || fail "ip link set $nic up"
 ip addr add "$RXE_ADDR" dev "$nic" || fail "ip addr add $RXE_ADDR dev $nic"
-ip route add default via "$RXE_GATEWAY" dev "$nic" 2>/dev/null || true
+# RXE_GATEWAY empty: no default route (two guests on a private link reach only it)
+if [ -n "$RXE_GATEWAY" ]; then
+    ip route add default via "$RXE_GATEWAY" dev "$nic" 2>/dev/null || true
+fi
 link_up() { local o; read -r o < "/sys/class/net/$nic/operstate" && [ "$o" = up ]; }
 wait_for 10 link_up || echo "aiordma-rxe: warning: $nic operstate is $(< "/sys/class/net/$nic/operstate")"
 
@@ -142,7 +151,10 @@ export PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
 # than the heartbeat's default allows
 export AIORDMA_LIVENESS_TIMEOUT="${AIORDMA_LIVENESS_TIMEOUT:-60}"
 export AIORDMA_RXE_GUEST=1 AIORDMA_RXE_RESULTS="$RESULTS" AIORDMA_RXE_DEVICE="$RXE_DEV" \
-       AIORDMA_RXE_NETDEV="$nic" AIORDMA_RXE_ADDR="$ip4" AIORDMA_RXE_GID_INDEX="$gid_index"
+       AIORDMA_RXE_NETDEV="$nic" AIORDMA_RXE_ADDR="$ip4" AIORDMA_RXE_GID_INDEX="$gid_index" \
+       AIORDMA_RXE_MTU="$(< "/sys/class/net/$nic/mtu")" AIORDMA_RXE_NAME="$RXE_NAME"
+# the other guest's address, when run-two-vms.sh joined two guests by a link
+if [ -n "$RXE_PEER" ]; then export AIORDMA_RXE_PEER="$RXE_PEER"; fi
 # Tests and examples connect over the address that carries the rxe GID (127.0.0.1 has none).
 export AIORDMA_TEST_IP="${AIORDMA_TEST_IP:-$ip4}"
 
@@ -153,8 +165,8 @@ export AIORDMA_TEST_IP="${AIORDMA_TEST_IP:-$ip4}"
 echo 1 > /proc/sys/kernel/printk
 read -r up _ < /proc/uptime
 echo "$up" > "$RESULTS/boot-seconds"
-echo "aiordma-rxe: ${RXE_SUITE:-?} guest, kernel $(uname -r), $(python3 -V 2>&1)," \
-     "$RXE_DEV $state on $nic $ip4 (gid index $gid_index), booted in ${up}s"
+echo "aiordma-rxe: ${RXE_SUITE:-?} guest $RXE_NAME, kernel $(uname -r), $(python3 -V 2>&1)," \
+     "$RXE_DEV $state on $nic $ip4 mtu $AIORDMA_RXE_MTU (gid index $gid_index), booted in ${up}s"
 cmdline=$(tail -n 1 "$CTL/cmd.sh"); cmdline=${cmdline#exec }
 [ ${#cmdline} -le 200 ] || cmdline="${cmdline:0:200}..."
 echo "aiordma-rxe: running in $PROJECT: $cmdline"

@@ -29,7 +29,15 @@ MEM=${AIORDMA_RXE_MEM:-2048}
 SMP=${AIORDMA_RXE_SMP:-2}
 ACCEL=${AIORDMA_RXE_ACCEL:-tcg,thread=multi}
 BOOT_TRIES=${AIORDMA_RXE_BOOT_TRIES:-3}
-GUEST_ADDR=10.0.2.15/24
+# The guest's NIC (see net_args): user networking with qemu's 10.0.2.0/24 by default;
+# AIORDMA_RXE_LINK names a qemu netdev instead (run-two-vms.sh joins two guests by one).
+GUEST_ADDR=${AIORDMA_RXE_ADDR:-10.0.2.15/24}
+GATEWAY=${AIORDMA_RXE_GATEWAY-10.0.2.2}  # empty: no default route
+LINK=${AIORDMA_RXE_LINK:-user}
+MAC=${AIORDMA_RXE_MAC:-52:54:00:12:34:56}
+NIC_MTU=${AIORDMA_RXE_MTU:-}
+PEER=${AIORDMA_RXE_PEER:-}
+NAME=${AIORDMA_RXE_NAME:-aiordma-rxe}
 
 log() { printf 'aiordma-rxe: %s\n' "$*" >&2; }
 die() { local code=$1; shift; printf 'aiordma-rxe: %s\n' "$*" >&2; exit "$code"; }
@@ -53,7 +61,9 @@ options:
 environment: AIORDMA_RXE_SUITE (forky|bookworm), AIORDMA_RXE_CACHE, AIORDMA_RXE_TIMEOUT,
 AIORDMA_RXE_MIRROR, AIORDMA_RXE_RESULTS, AIORDMA_RXE_QUIET, AIORDMA_RXE_KEEP,
 AIORDMA_RXE_MEM, AIORDMA_RXE_SMP, AIORDMA_RXE_ACCEL, AIORDMA_RXE_EXTRA_PACKAGES,
-AIORDMA_RXE_PARALLEL, AIORDMA_RXE_BOOT_TRIES (see tests/rxe/README.md)
+AIORDMA_RXE_PARALLEL, AIORDMA_RXE_BOOT_TRIES, AIORDMA_RXE_ADDR, AIORDMA_RXE_GATEWAY,
+AIORDMA_RXE_LINK, AIORDMA_RXE_MAC, AIORDMA_RXE_MTU, AIORDMA_RXE_PEER, AIORDMA_RXE_NAME
+(see tests/rxe/README.md)
 EOF
 }
 
@@ -84,6 +94,10 @@ case "$SUITE" in
 esac
 [[ "$TIMEOUT" =~ ^[0-9]+$ ]] || die $EX_USAGE "AIORDMA_RXE_TIMEOUT must be a number of seconds"
 [[ "$BOOT_TRIES" =~ ^[1-9][0-9]*$ ]] || die $EX_USAGE "AIORDMA_RXE_BOOT_TRIES must be a number >= 1"
+[[ "$GUEST_ADDR" =~ ^[0-9]+\.[0-9]+\.[0-9]+\.[0-9]+/[0-9]+$ ]] || die $EX_USAGE "AIORDMA_RXE_ADDR must be an IPv4 address/prefix (got '$GUEST_ADDR')"
+[[ "$MAC" =~ ^([0-9a-f]{2}:){5}[0-9a-f]{2}$ ]] || die $EX_USAGE "AIORDMA_RXE_MAC must be a lower-case MAC address (got '$MAC')"
+[[ -z "$NIC_MTU" || "$NIC_MTU" =~ ^[0-9]+$ ]] || die $EX_USAGE "AIORDMA_RXE_MTU must be a number of bytes"
+[[ "$NAME" =~ ^[a-z0-9-]+$ ]] || die $EX_USAGE "AIORDMA_RXE_NAME must be a host name of a-z, 0-9 and '-'"
 
 # ---- package list and cache key -----------------------------------------------------
 PKGS=()
@@ -474,6 +488,23 @@ clean_console() {
     sed -u -e 's/\r$//' -e 's/\x1b\[[0-9;?]*[A-Za-z]//g' -e 's/\x1bc//g'
 }
 
+# net_args: prints qemu's NIC arguments, one a line: user networking (AIORDMA_RXE_LINK
+# unset or "user"), else the netdev AIORDMA_RXE_LINK names (e.g.
+# "socket,udp=127.0.0.1:P,localaddr=127.0.0.1:Q", a point-to-point Ethernet link over
+# UDP), with the NIC's MAC address AIORDMA_RXE_MAC (two guests on one link need two).
+net_args() {
+    if [ "$LINK" = user ]; then printf '%s\n' -netdev user,id=n0
+    else printf '%s\n' -netdev "$LINK,id=n0"; fi
+    printf '%s\n' -device "virtio-net-pci,netdev=n0,addr=03,mac=$MAC,romfile="
+}
+
+# guest_settings: the settings.sh that guest-init.sh reads (shell assignments).
+guest_settings() {
+    printf 'RXE_SUITE=%q\nRXE_ADDR=%q\nRXE_TIMEOUT=%q\n' "$SUITE" "$GUEST_ADDR" "$TIMEOUT"
+    printf 'RXE_GATEWAY=%q\nRXE_MTU=%q\nRXE_PEER=%q\nRXE_NAME=%q\n' \
+        "$GATEWAY" "$NIC_MTU" "$PEER" "$NAME"
+}
+
 run_vm() {
     ensure_tools qemu-system-x86_64:qemu-system-x86 qemu-img:qemu-utils timeout:coreutils flock:util-linux
     RUN_DIR=$(mktemp -d "${TMPDIR:-/tmp}/aiordma-rxe.XXXXXX")
@@ -482,7 +513,7 @@ run_vm() {
     results=$(cd "$results" && pwd -P)
 
     install -m 0755 "$HERE/guest-init.sh" "$ctl/guest-init.sh"
-    printf 'RXE_SUITE=%q\nRXE_ADDR=%q\nRXE_TIMEOUT=%q\n' "$SUITE" "$GUEST_ADDR" "$TIMEOUT" > "$ctl/settings.sh"
+    guest_settings > "$ctl/settings.sh"
     {
         local name
         while read -r name; do
@@ -514,8 +545,10 @@ run_vm() {
         -accel "$ACCEL" -cpu max -smp "$SMP" -m "$MEM"
         -nodefaults -display none -serial stdio -no-reboot
         -kernel "$IMG_DIR/vmlinuz" -initrd "$IMG_DIR/initrd.img" -append "$append"
-        -drive "file=$RUN_DIR/overlay.qcow2,if=virtio,format=qcow2"
-        -netdev user,id=n0 -device virtio-net-pci,netdev=n0,addr=03,romfile=
+        -drive "file=$RUN_DIR/overlay.qcow2,if=virtio,format=qcow2")
+    local -a nic   # (before the devices without an address: the NIC takes PCI slot 3)
+    mapfile -t nic < <(net_args)
+    qemu+=("${nic[@]}"
         -device virtio-rng-pci
         -virtfs "local,path=$REPO,mount_tag=project,security_model=none,readonly=on"
         -virtfs "local,path=$ctl,mount_tag=rxectl,security_model=none,readonly=on"
@@ -527,7 +560,7 @@ run_vm() {
     [ ${#shown} -le 200 ] || shown="${shown:0:200}..."
     local t0 qrc try=1 panic started
     while :; do
-        log "booting $SUITE guest (timeout ${TIMEOUT}s): $shown"
+        log "booting $SUITE guest $NAME (timeout ${TIMEOUT}s): $shown"
         # a fresh overlay and results per boot: a guest that crashed leaves nothing behind
         rm -f "$RUN_DIR/overlay.qcow2" \
             "$results"/{exit-code,output.log,kernel.log,setup-failed,boot-seconds,end-seconds,timed-out}
