@@ -1,6 +1,6 @@
 """Unit tests of the ``verbs`` provider's compatibility shims, without pyverbs.
 
-``aiordma.verbs.ibverbs.compat`` and ``native`` are pure Python / ctypes; the provider
+``aiordma.verbs.ibverbs.compat`` and ``clib`` are pure Python / ctypes; the provider
 objects are exercised against a small fake of the pyverbs API (the parts the provider
 calls, with the behaviour of rdma-core 44 and 65 where they differ). The real thing runs
 in the Soft-RoCE VM (tests/rxe/).
@@ -46,7 +46,9 @@ from aiordma.verbs import (
     WCStatus,
     WROpcode,
 )
-from aiordma.verbs.ibverbs import compat, native, provider
+from aiordma.verbs.ibverbs import channel as ibv_channel
+from aiordma.verbs.ibverbs import clib, compat, loader, provider
+from aiordma.verbs.ibverbs import context as ibv_context
 
 # ----------------------------------------------------------------------------------------
 # enums, versions, errors
@@ -358,7 +360,7 @@ def test_cq_poller_calls_ops_poll_cq() -> None:
     c = FakePollCQ()
     fcq = types.SimpleNamespace(wcs=deque(_pwc(wr_id=i) for i in range(5)), fail=None)
     c.cqs[0x4000] = fcq
-    poller = native.CQPoller(c.ptr, 0x4000, entries=2)
+    poller = clib.CQPoller(c.ptr, 0x4000, entries=2)
     n, raws = poller.poll(16)  # capped at the buffer's entries
     assert n == 2 and [r[0] for r in raws] == [0, 1] and c.calls == [(0x4000, 2)]
     n, raws = poller.poll(1)
@@ -370,7 +372,7 @@ def test_cq_poller_calls_ops_poll_cq() -> None:
     n, raws = poller.poll(4)
     assert n == 0 and list(raws) == []
     with pytest.raises(ValueError):  # no ops.poll_cq
-        native.CQPoller(ctypes.addressof((ctypes.c_char * compat.CTX_PROBE_SIZE)()), 0x4000)
+        clib.CQPoller(ctypes.addressof((ctypes.c_char * compat.CTX_PROBE_SIZE)()), 0x4000)
 
 
 # ----------------------------------------------------------------------------------------
@@ -535,12 +537,12 @@ def test_native_async_reader_converts_then_acks_everything() -> None:
         if etype == 99:
             return None  # unknown type: acked, not reported
         if etype == 1:
-            return (etype, native.qp_num_of(element))
+            return (etype, clib.qp_num_of(element))
         if etype == 0:
-            return (etype, native.cq_context_of(element))
-        return (etype, native.element_port(element))
+            return (etype, clib.cq_context_of(element))
+        return (etype, clib.element_port(element))
 
-    reader = native.AsyncReader(lib, 0x1000)
+    reader = clib.AsyncReader(lib, 0x1000)
     seen = reader.drain(convert)
     assert seen == [(1, 0x1234), (0, 0xC0FFEE), (10, 1)]
     assert len(lib.acked) == 4  # every event is acked, the unknown one too
@@ -550,7 +552,7 @@ def test_native_async_reader_converts_then_acks_everything() -> None:
 def test_native_channel_reader() -> None:
     lib = FakeLib([])
     lib.cq_events.extend([(0x1000, 0xAA), (0x2000, 0xBB)])
-    r = native.ChannelReader(lib, 0x500)
+    r = clib.ChannelReader(lib, 0x500)
     assert r.get() == (0x1000, 0xAA) and r.get() == (0x2000, 0xBB) and r.get() is None
     r.ack(0x1000, 2)
     assert lib.cq_acked == [(0x1000, 2)]
@@ -562,7 +564,7 @@ def test_native_channel_reader() -> None:
 
 def test_native_async_reader_stops_on_other_errors(caplog: Any) -> None:
     lib = FakeLib([], fail_errno=errno.EIO)
-    assert native.AsyncReader(lib, 0x1000).drain(lambda t, e: (t, e)) == []
+    assert clib.AsyncReader(lib, 0x1000).drain(lambda t, e: (t, e)) == []
     assert "ibv_get_async_event failed" in caplog.text
 
 
@@ -806,8 +808,8 @@ def fake_pyverbs(devices: list[bytes] | None = None) -> Any:
 def fake(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> Any:
     """A fake pyverbs installed in the provider; the async fd is a pipe."""
     pv = fake_pyverbs()
-    monkeypatch.setattr(provider, "_pyverbs", pv)
-    monkeypatch.setitem(provider._inline_cache, "rxe0", 256)
+    monkeypatch.setattr(loader, "_pyverbs", pv)
+    monkeypatch.setitem(ibv_context._inline_cache, "rxe0", 256)
     r, w = os.pipe()
     calls = iter([{}, {r: "anon_inode:[infinibandevent]"}])
     # the first call is before ibv_open_device, the second after it
@@ -821,9 +823,9 @@ def fake(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> Any:
             pass
 
 
-def _open(fake: Any) -> provider.IbvContext:
+def _open(fake: Any) -> ibv_context.IbvContext:
     ctx = provider.IbverbsProvider().open()
-    assert isinstance(ctx, provider.IbvContext)
+    assert isinstance(ctx, ibv_context.IbvContext)
     return ctx
 
 
@@ -847,7 +849,7 @@ def _to_rts(qp: Any) -> None:
 
 
 def test_provider_without_pyverbs_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(provider, "_pyverbs", None)
+    monkeypatch.setattr(loader, "_pyverbs", None)
     monkeypatch.setitem(sys.modules, "pyverbs", None)  # import pyverbs -> ImportError
     from aiordma.verbs import get_provider
 
@@ -1140,7 +1142,7 @@ def poll_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch,
 
     monkeypatch.setattr(fake.cq, "CQ", make_cq)
     monkeypatch.setattr(compat, "find_cq_pointer", find_cq)
-    monkeypatch.setattr(provider.IbvContext, "_find_ctx_ptr", lambda self: c.ptr)
+    monkeypatch.setattr(ibv_context.IbvContext, "_find_ctx_ptr", lambda self: c.ptr)
     # the async fd is read from the (fake) context struct: make it the fake's pipe
     struct.pack_into("=i", c.ctx, compat.CTX_ASYNC_FD_OFFSET, fake.async_pipe[0])
     return c
@@ -1222,9 +1224,9 @@ def test_shared_channel_through_libibverbs(monkeypatch: pytest.MonkeyPatch, fake
     acked through libibverbs (pyverbs' own per-CQ counter is never touched)."""
     ctx = _open(fake)
     lib = FakeLib([])
-    monkeypatch.setattr(native, "libibverbs", lambda: lib)
-    orig_locate = provider.IbvCompChannel._locate
-    monkeypatch.setattr(provider.IbvCompChannel, "_locate",
+    monkeypatch.setattr(clib, "libibverbs", lambda: lib)
+    orig_locate = ibv_channel.IbvCompChannel._locate
+    monkeypatch.setattr(ibv_channel.IbvCompChannel, "_locate",
                         lambda self, before: (orig_locate(self, before)[0], 0x7000))
     ch = ctx.create_comp_channel()
     assert ch._reader is not None

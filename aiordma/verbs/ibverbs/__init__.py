@@ -2,12 +2,19 @@
 
 This package is the only code in aiordma that imports pyverbs, and it does so lazily:
 importing it never fails; without pyverbs, ``PROVIDER.list_devices()``/``open()`` raise
-``DeviceError`` with the install hint. Modules:
+``DeviceError`` with the install hint. Modules, one per verbs object:
 
-* ``provider`` -- the objects of ``verbs/api.py`` on top of pyverbs;
+* ``provider`` -- ``IbverbsProvider``: the device list, opening a device;
+* ``context``  -- ``IbvContext``: device queries, async events, the factories;
+* ``pd``       -- ``IbvPD``: protection domain, factory of MRs and QPs;
+* ``mr``       -- ``IbvMR``: registered memory;
+* ``channel``  -- ``IbvCompChannel``: completion channel events;
+* ``cq``       -- ``IbvCQ``: polling, completion accounting;
+* ``qp``       -- ``IbvQP``: state changes and posts;
+* ``loader``   -- pyverbs imported lazily, and what its version can do;
 * ``compat``   -- pure-Python shims for what differs between versions or is missing
   (unit-tested without pyverbs in ``tests/test_ibverbs_compat.py``);
-* ``native``   -- device async events through libibverbs' C API (ctypes).
+* ``clib``     -- libibverbs' C API through ctypes: async and channel events, CQ polling.
 
 Version differences handled
 ---------------------------
@@ -45,7 +52,7 @@ that libibverbs keeps stable) in every version, are read from the C structs:
    one; otherwise opening fails with a clear ``DeviceError`` (nothing is guessed).
 
 Both fds are set O_NONBLOCK (fcntl) at once. pyverbs never releases the GIL, so nothing
-here may block. Events are read through libibverbs' C API with ctypes (``native``):
+here may block. Events are read through libibverbs' C API with ctypes (``clib``):
 ``ibv_get_cq_event`` on the channel struct found above (any number of CQs may share a
 channel; the ``cq_context`` of each CQ maps an event back to it) with
 ``ibv_ack_cq_events``, and ``ibv_get_async_event``/``ibv_ack_async_event``, which also
@@ -63,7 +70,7 @@ pyverbs builds a ``WC`` object per completion (a logger look-up and a dozen prop
 reads), which was most of the cost of a poll. Each CQ's ``struct ibv_cq *`` is found
 the same way as above, in the pyverbs ``CQ`` object: the word whose struct starts with
 our context pointer and holds the CQ's ``cq_context`` (the token the CQ was created
-with); exactly one must qualify. ``native.CQPoller`` then calls ``ctx->ops.poll_cq``
+with); exactly one must qualify. ``clib.CQPoller`` then calls ``ctx->ops.poll_cq``
 (what the inline ``ibv_poll_cq`` of verbs.h calls; ``struct ibv_context_ops`` is part
 of the stable ABI) through ctypes, with the GIL held, into a buffer of ``struct
 ibv_wc`` (48 bytes, ``compat.IBV_WC``) unpacked with ``struct``. If the struct is not

@@ -26,6 +26,7 @@ import importlib
 import ipaddress
 import os
 import re
+import select
 import socket
 import struct
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -204,6 +205,16 @@ def is_event_fd_target(target: str) -> bool:
     ``[infinibandevent]`` by the kernel's uverbs driver.
     """
     return target.startswith("anon_inode:") and "infiniband" in target
+
+
+def readable(fd: int) -> bool:
+    """Whether ``fd`` is readable now (``select`` with a zero timeout; False for a
+    closed or invalid fd)."""
+    try:
+        r, _, _ = select.select([fd], [], [], 0)
+    except (OSError, ValueError):
+        return False
+    return bool(r)
 
 
 def fd_target(fd: int, proc_fd: str = PROC_SELF_FD) -> str | None:
