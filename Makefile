@@ -6,6 +6,8 @@ SIZES ?= 0,64,4K,1M,64M
 COUNT ?= 200
 
 _NATIVE_SO = $(wildcard aiordma/*.so aiordma/*/*.so aiordma/*/*/*.so)
+# what cythonize writes next to each .pyx
+_NATIVE_C = $(patsubst %.pyx,%.c,$(wildcard aiordma/*/*/*.pyx aiordma/*/*.pyx aiordma/*.pyx))
 
 
 .PHONY: bench-cost
@@ -14,7 +16,7 @@ _NATIVE_SO = $(wildcard aiordma/*.so aiordma/*/*.so aiordma/*/*/*.so)
 $(VENV)/.stamp: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip 'setuptools>=77'
-	$(PY) -m pip install -q -e '.[test]'
+	AIORDMA_BUILD=python $(PY) -m pip install -q -e '.[test]'
 	touch $@
 
 setup: $(VENV)/.stamp
@@ -28,9 +30,11 @@ echo: setup
 test-fast: setup
 	AIORDMA_PROVIDER=soft $(PY) -m pytest -q
 
-## The test command (README, .ci/run): the fast tier, the fast tier again on the native
-## (mypyc) build, the package as a user installs it, then the same suite on real verbs
-## (rdma_rxe) inside the Soft-RoCE VM: forky (pyverbs 65), then the compat run on bookworm (44).
+## The test command (README, .ci/run): the fast tier (the pure-Python sources), the fast
+## tier again on the native build (Cython extensions and mypyc), the package as a user
+## installs it, then the same suite on real verbs (rdma_rxe, the Cython extensions built
+## in the guest) inside the Soft-RoCE VM: forky (pyverbs 65), then the compat run on
+## bookworm (44).
 test: test-fast test-native test-wheel test-rxe test-rxe-compat
 
 lint: setup
@@ -40,36 +44,46 @@ lint: setup
 clean: clean-native
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
 
-## Optional native build (setup.py): the hot path compiled with mypyc, in place; Python
-## imports the extensions instead of the sources until `make clean-native`.
-# A C compiler and the headers of the venv's Python; installed with apt-get when missing.
+## The native build (setup.py), in place: the Cython extensions (aiordma.native.EXTENSIONS:
+## the verbs data path through libibverbs) and the modules mypyc compiles
+## (aiordma.native.MODULES). Python imports the extensions instead of the sources until
+## `make clean-native`. (`make setup` installs the pure sources; a plain `pip install`
+## builds the Cython extensions where it can.)
+# A C compiler, the headers of the venv's Python and rdma-core's (libibverbs-dev);
+# installed with apt-get when missing.
 native-prereqs:
-	@if ! command -v cc >/dev/null 2>&1 || ! $(PYTHON) -c 'import os, sys, sysconfig; \
+	@if ! command -v cc >/dev/null 2>&1 || [ ! -e /usr/include/infiniband/verbs.h ] \
+		|| ! $(PYTHON) -c 'import os, sys, sysconfig; \
 		sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))'; then \
-		command -v apt-get >/dev/null 2>&1 || { echo "make native: needs a C compiler and Python's headers"; exit 1; }; \
+		command -v apt-get >/dev/null 2>&1 || { echo "make native: needs a C compiler, Python's headers and rdma-core's (libibverbs-dev)"; exit 1; }; \
 		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
-		$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq gcc python3-dev; \
+		$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq gcc python3-dev libibverbs-dev; \
 	fi
 
-# Compile aiordma.native.MODULES in place, in the current directory's tree.
-BUILD_NATIVE = AIORDMA_MYPYC=1 $(abspath $(PY)) setup.py -q build_ext --inplace
+# Compile every extension (AIORDMA_BUILD=compiled: one that cannot be built fails the
+# build) in place, in the current directory's tree.
+BUILD_NATIVE = AIORDMA_BUILD=compiled AIORDMA_MYPYC=1 $(abspath $(PY)) setup.py -q build_ext --inplace
+# what `aiordma.native.build()` must report on the native build
+NATIVE_TAGS = mypyc,verbs
 
 native: setup native-prereqs
 	$(BUILD_NATIVE)
-	$(PY) -c "import aiordma.native as n; b = n.build(); print('aiordma build:', b); raise SystemExit(b != 'mypyc')"
+	$(PY) -c "import aiordma.native as n; b = n.build(); print('aiordma build:', b); \
+		raise SystemExit(not set('$(NATIVE_TAGS)'.split(',')) <= b.tags)"
 
 clean-native:
-	rm -rf build $(_NATIVE_SO)
+	rm -rf build $(_NATIVE_SO) aiordma/_build.json $(_NATIVE_C)
 
 ## The fast tier on the native build, in a copy of the working tree (build/native-tree)
 ## so that this tree stays as it is; lint ran in test-fast.
 NATIVE_TREE := build/native-tree
 test-native: setup native-prereqs
 	rm -rf $(NATIVE_TREE) && mkdir -p $(NATIVE_TREE)
-	tar --exclude=./.venv --exclude=./.git --exclude=./build --exclude='*.so' -cf - . \
+	tar --exclude=./.venv --exclude=./.git --exclude=./build --exclude='*.so' \
+		--exclude=./aiordma/_build.json -cf - . \
 		| tar -xf - -C $(NATIVE_TREE)
 	cd $(NATIVE_TREE) && $(BUILD_NATIVE) >build.log 2>&1 || { tail -50 build.log; exit 1; }
-	cd $(NATIVE_TREE) && AIORDMA_PROVIDER=soft AIORDMA_EXPECT_BUILD=mypyc \
+	cd $(NATIVE_TREE) && AIORDMA_PROVIDER=soft AIORDMA_EXPECT_BUILD=$(NATIVE_TAGS) \
 		$(abspath $(PY)) -m pytest -q -p no:cacheprovider -m "not lint"
 
 ## The package as a user gets it: build the sdist and, from it, the wheel (build/dist),

@@ -546,7 +546,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.save:
         from .report import document
 
-        doc = document(results, machine=machine(), build=native.build(), loop=cfg.loop,
+        doc = document(results, machine=machine(), build=native.build().label, loop=cfg.loop,
                        provider=cfg.provider, poll_mode=cfg.poll_mode,
                        command=sys.argv[2:] if argv is None else list(argv), commit=commit)
         with open(a.save, "w") as f:

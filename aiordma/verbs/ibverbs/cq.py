@@ -14,16 +14,18 @@ from ..api import CQ
 from ..contract import check_cq_close
 from ..enums import QPState, WCOpcode
 from ..wr import WC
-from . import clib, compat
+from . import clib, compat, loader
 
 if TYPE_CHECKING:
     from .channel import IbvCompChannel
     from .context import IbvContext
+    from .fastpath import CQPoller
     from .qp import IbvQP
 
 log = logging.getLogger("aiordma.verbs")
 
 _WC_RECV_BIT = 0x80  # IBV_WC_RECV: every receive opcode has it, no send opcode does
+_POLL_ENTRIES = 64  # struct ibv_wc per poller: the most one poll returns
 
 
 class _Token:
@@ -57,7 +59,7 @@ class IbvCQ(CQ):
         # struct ibv_cq *: probed now (for polling through ctypes), else learnt from the
         # first channel event
         self._cq_ptr = 0
-        self._poller: clib.CQPoller | None = None
+        self._poller: clib.CQPoller | CQPoller | None = None
         self._locate(ctx)
         self._qps: dict[IbvQP, int] = {}
         self._events_got = 0
@@ -70,10 +72,13 @@ class IbvCQ(CQ):
             channel._cqs[id(self._token)] = self
 
     def _locate(self, ctx: IbvContext) -> None:
-        """Find this CQ's C struct and poll it through ``clib.CQPoller`` from now on;
-        pyverbs' ``CQ.poll`` stays the fallback (no context pointer, the probe found
-        nothing, or ``AIORDMA_VERBS_POLL=pyverbs``)."""
-        if not ctx._ctx_ptr or os.environ.get("AIORDMA_VERBS_POLL") == "pyverbs":
+        """Find this CQ's C struct and poll it from now on through the compiled
+        ``fastpath.CQPoller`` where built, else ``clib.CQPoller`` (ctypes);
+        ``AIORDMA_VERBS_POLL`` = ``ctypes`` or ``pyverbs`` chooses one. pyverbs'
+        ``CQ.poll`` stays the fallback (no context pointer, or the probe found
+        nothing)."""
+        mode = os.environ.get("AIORDMA_VERBS_POLL", "")
+        if not ctx._ctx_ptr or mode == "pyverbs":
             return
         try:
             words = compat.object_words(self._cq)
@@ -84,10 +89,23 @@ class IbvCQ(CQ):
             log.debug("aiordma: struct ibv_cq of %r not found; polling through pyverbs", self)
             return
         self._cq_ptr = ptr
+        fp = loader.fastpath() if mode != "ctypes" else None
+        if fp is not None:
+            self._poller = fp.CQPoller(ptr, _POLL_ENTRIES)
+            return
         try:
-            self._poller = clib.CQPoller(ctx._ctx_ptr, ptr)
+            self._poller = clib.CQPoller(ctx._ctx_ptr, ptr, _POLL_ENTRIES)
         except ValueError as exc:  # pragma: no cover - a provider without poll_cq
             log.debug("aiordma: %s; polling through pyverbs", exc)
+
+    @property
+    def data_path(self) -> str:
+        """How this CQ is polled: ``"compiled"`` (fastpath), ``"ctypes"`` (clib) or
+        ``"pyverbs"``."""
+        p = self._poller
+        if p is None:
+            return "pyverbs"
+        return "ctypes" if isinstance(p, clib.CQPoller) else "compiled"
 
     def _overrun_detected(self) -> None:
         """Completions were lost: the CQ is in error for good, and so is every QP using it
@@ -170,10 +188,12 @@ class IbvCQ(CQ):
         except self._pv.Error as exc:
             raise self.context._error(exc, "ibv_destroy_cq") from None
         self._closed = True
+        if self._poller is not None:
+            self._poller.close()  # its struct ibv_cq is gone
         if ch is not None:
             ch._cqs.pop(id(self._token), None)
         self.context._cqs_by_token.pop(id(self._token), None)
         self.context._children.discard(self)
 
     def __repr__(self) -> str:
-        return f"<IbvCQ cqe={self.cqe}>"
+        return f"<IbvCQ cqe={self.cqe} polled={self.data_path}>"

@@ -78,3 +78,27 @@ def enum_value(cls: Any, value: Any, default: Any) -> Any:
         return cls(int(value))
     except (ValueError, TypeError):
         return default
+
+
+_fastpath: Any = None
+_fastpath_error: str | None = None
+
+
+def fastpath() -> Any | None:
+    """The compiled data path (the ``fastpath`` extension module), or None where it is
+    not built or does not import (``fastpath_error()`` says why)."""
+    global _fastpath, _fastpath_error
+    if _fastpath is None and _fastpath_error is None:
+        try:
+            from . import fastpath as mod
+        except ImportError as exc:
+            _fastpath_error = str(exc)
+        else:
+            _fastpath = mod
+    return _fastpath
+
+
+def fastpath_error() -> str | None:
+    """Why ``fastpath()`` is None (None when it is not)."""
+    fastpath()
+    return _fastpath_error

@@ -1,58 +1,49 @@
 """``IbvQP``: an RC queue pair: its state changes (``ibv_modify_qp``) and posts, with the
-queue accounting (``compat.WorkQueues``) that refuses what the device would refuse."""
+queue accounting (``compat.WorkQueues``) that refuses what the device would refuse.
+
+Posts go through the compiled data path (``fastpath.QPPoster``: WRs built in C and posted
+with ``ibv_post_send``/``ibv_post_recv`` on the QP's ``struct ibv_qp *``) where it is
+built and the pointer was found (package docstring, "The compiled data path"), else as
+pyverbs objects (``pyverbs_wrs``); ``AIORDMA_VERBS_POST=pyverbs`` chooses the latter.
+Either way a chain the device refuses at ``bad_wr`` leaves the WRs before it posted
+(and accounted for), and the WRs are checked (contract.py) before anything is posted.
+"""
 
 from __future__ import annotations
 
 import errno
 import logging
+import os
 from typing import TYPE_CHECKING, Any
 
 from ...errors import PostError, RDMAError
 from ..api import QP, AHAttr, QPAttr, QPCap
-from ..contract import ATOMIC_OPS as _ATOMIC_OPS
 from ..contract import InvalidWorkRequest, check_recv_wrs, check_send_wr
-from ..enums import WC_OPCODE_FOR_WR, LinkLayer, QPState, SendFlags, WROpcode
+from ..enums import WC_OPCODE_FOR_WR, LinkLayer, QPState, SendFlags
 from ..wr import RecvWR, SendWR
-from . import compat
+from . import compat, loader
+from .pyverbs_wrs import PyverbsWRs
 
 if TYPE_CHECKING:
     from .cq import IbvCQ
+    from .fastpath import QPPoster
     from .pd import IbvPD
 
 log = logging.getLogger("aiordma.verbs")
 
-_M32 = 0xFFFFFFFF
 _M64 = 0xFFFFFFFFFFFFFFFF
-_IMM_OPS = frozenset({WROpcode.SEND_WITH_IMM, WROpcode.RDMA_WRITE_WITH_IMM})
-_RDMA_OPS = frozenset({WROpcode.RDMA_WRITE, WROpcode.RDMA_WRITE_WITH_IMM, WROpcode.RDMA_READ})
-# what a post sets besides wr_id, opcode, flags and SGEs, per opcode: one look-up
-_K_IMM, _K_RDMA, _K_ATOMIC = 1, 2, 4
-_OP_KIND = {op: ((_K_IMM if op in _IMM_OPS else 0) | (_K_RDMA if op in _RDMA_OPS else 0)
-                 | (_K_ATOMIC if op in _ATOMIC_OPS else 0)) for op in WROpcode}
 _NO_SEND_STATES = frozenset({QPState.RESET, QPState.INIT, QPState.RTR})
 # plain ints: IntFlag arithmetic runs Python-level enum code on every post
-_F_INLINE = int(SendFlags.INLINE)
 _F_SIGNALED = int(SendFlags.SIGNALED)
-# pyverbs work requests of single-WR, single-SGE posts kept per QP for reuse (IbvQP)
-_WR_CACHE = 64
-
-
-def _set_op_fields(p: Any, wr: SendWR, kind: int) -> None:
-    """Set on the pyverbs SendWR ``p`` the fields that ``wr``'s opcode reads besides
-    wr_id, opcode, flags and SGEs (``kind`` = ``_OP_KIND[opcode]``): immediate data,
-    the RDMA or the atomic part. Single posts and chains both build WRs through it."""
-    if kind & _K_IMM:
-        p.imm_data = compat.imm_to_wire(wr.imm_data)
-    if kind & _K_RDMA:
-        p.set_wr_rdma(wr.rkey & _M32, wr.remote_addr & _M64)
-    elif kind & _K_ATOMIC:
-        p.set_wr_atomic(wr.rkey & _M32, wr.remote_addr & _M64,
-                        wr.compare_add & _M64, wr.swap & _M64)
 
 
 def _gid_str(gid: bytes) -> str:
     h = bytes(gid).hex()
     return ":".join(h[i:i + 4] for i in range(0, 32, 4))
+
+
+def _post_error(call: str, rc: int) -> PostError:
+    return PostError(rc, f"{call}: {os.strerror(rc)}")
 
 
 class IbvQP(QP):
@@ -67,17 +58,42 @@ class IbvQP(QP):
         self.qp_num = int(pqp.qp_num)
         self._state = QPState.RESET
         self._queues = compat.WorkQueues(cap.max_send_wr, cap.max_recv_wr)
-        # (addr, length, lkey) -> pyverbs SendWR / RecvWR, see _new_send_wr
-        self._send_wrs: dict[tuple[int, int, int], Any] = {}
-        self._recv_wrs: dict[tuple[int, int, int], Any] = {}
+        self._wrs = PyverbsWRs(self._pv, pqp, cap.max_recv_wr)
+        self._fast: QPPoster | None = self._fast_poster()
         self._closed = False
         self._ctx._qps[self.qp_num] = self
         pd._qps.add(self)
         for cq in (send_cq, recv_cq):
             cq._qps[self] = cq._qps.get(self, 0) + 1
 
+    def _fast_poster(self) -> QPPoster | None:
+        """The compiled poster of this QP, or None (not built, not wanted, or its
+        ``struct ibv_qp`` not found: then pyverbs posts)."""
+        fp = loader.fastpath()
+        ctx = self._ctx
+        if fp is None or not ctx._ctx_ptr or os.environ.get("AIORDMA_VERBS_POST") == "pyverbs":
+            return None
+        try:
+            words = compat.object_words(self._qp)
+        except Exception:  # pragma: no cover - non-CPython
+            return None
+        ptr = compat.find_qp_pointer(words, ctx._ctx_ptr, self.qp_num, self.send_cq._cq_ptr,
+                                     self.recv_cq._cq_ptr, ctx._mem.read)
+        if not ptr:
+            log.debug("aiordma: struct ibv_qp of %r not found; posting through pyverbs", self)
+            return None
+        cap = self.cap
+        return fp.QPPoster(ptr, cap.max_send_wr, cap.max_recv_wr, cap.max_send_sge,
+                           cap.max_recv_sge)
+
+    @property
+    def data_path(self) -> str:
+        """How this QP posts: ``"compiled"`` (fastpath) or ``"pyverbs"``."""
+        return "compiled" if self._fast is not None else "pyverbs"
+
     def __repr__(self) -> str:
-        return f"<IbvQP qpn={self.qp_num:#x} state={self._state.name}>"
+        return (f"<IbvQP qpn={self.qp_num:#x} state={self._state.name} "
+                f"posts={self.data_path}>")
 
     @property
     def state(self) -> QPState:
@@ -184,6 +200,7 @@ class IbvQP(QP):
         hardware) makes it look now."""
         self._to_error()
 
+
     # --- posting -------------------------------------------------------------------------
     def post_send(self, wrs: list[SendWR]) -> None:
         st = self._state
@@ -197,140 +214,44 @@ class IbvQP(QP):
         if n > q.max_send - len(sq):
             raise PostError(errno.ENOMEM, f"send queue full ({len(sq)} of {q.max_send} in "
                             f"use, {n} more posted)")
-        if n == 1 and len(wrs[0].sg_list) == 1:
-            # One WR with one SGE (every frame of an endpoint): through the cached pyverbs
-            # WR of its SGE (_new_send_wr), no chain to build or free; inlined, as this
-            # runs for every message.
+        cap = self.cap
+        fast = self._fast
+        if n == 1:
+            # one WR (every frame of an endpoint): inlined, as this runs for every message
             wr = wrs[0]
-            op = check_send_wr(wr, self.cap)[0]
-            s = wr.sg_list[0]
-            key = (s.addr, s.length, s.lkey)
-            wr_id = wr.wr_id & _M64
-            flags = int(wr.send_flags)
-            try:
-                p = self._send_wrs.get(key)
-                if p is None:
-                    p = self._new_send_wr(key)
-                p.wr_id = wr_id
-                p.opcode = op
-                p.send_flags = flags
-                kind = _OP_KIND[op]
-                if kind:  # (a plain SEND uses none of the other fields: no call)
-                    _set_op_fields(p, wr, kind)
-                self._qp.post_send(p)
-            except self._pv.Error as exc:
-                raise PostError(compat.errno_of(exc), f"ibv_post_send: {exc}") from None
-            except OverflowError as exc:
-                raise InvalidWorkRequest(
-                    f"a work request field is out of range: {exc}") from None
-            sq.append((wr_id, flags & _F_SIGNALED != 0, WC_OPCODE_FOR_WR[op]))
-            if st == QPState.ERR:
-                self._flush_posted()
-            return
-        ops = [check_send_wr(wr, self.cap)[0] for wr in wrs]
-        pvwr = self._pv.wr
-        sges: list[Any] = []
-        built: list[Any] = []
-        head: Any = None
-        try:
-            for wr, op in zip(reversed(wrs), reversed(ops), strict=True):
-                sg = [pvwr.SGE(s.addr, s.length, s.lkey) for s in wr.sg_list]
-                if not sg:
-                    sg = [pvwr.SGE(0, 0, 0)]
-                sges.extend(sg)
-                kw: dict[str, Any] = {
-                    "wr_id": wr.wr_id & _M64, "opcode": int(op), "num_sge": len(sg), "sg": sg,
-                    "send_flags": int(wr.send_flags),
-                }
-                if head is not None:
-                    kw["next_wr"] = head
-                p = pvwr.SendWR(**kw)
-                built.append(p)
-                if not wr.sg_list:
-                    p.num_sge = 0
-                kind = _OP_KIND[op]
-                if kind:
-                    _set_op_fields(p, wr, kind)
-                head = p
-            self._qp.post_send(head)
-        except self._pv.Error as exc:
-            raise PostError(compat.errno_of(exc), f"ibv_post_send: {exc}") from None
-        except OverflowError as exc:
-            raise InvalidWorkRequest(f"a work request field is out of range: {exc}") from None
-        finally:
-            for obj in built:  # ibv_post_send copied them; free the C memory now
-                obj.close()
-            for s in sges:
-                s.close()
-        q.posted_send((wr.wr_id & _M64, bool(int(wr.send_flags) & _F_SIGNALED),
-                       WC_OPCODE_FOR_WR[op]) for wr, op in zip(wrs, ops, strict=True))
+            op = check_send_wr(wr, cap)[0]
+            if fast is not None:
+                try:
+                    rc, posted = fast.post_send(wrs, [op])
+                except OverflowError as exc:
+                    raise InvalidWorkRequest(
+                        f"a work request field is out of range: {exc}") from None
+                if rc:
+                    raise _post_error("ibv_post_send", rc)
+            elif len(wr.sg_list) == 1:
+                self._wrs.post_send_one(wr, op)
+            else:
+                self._wrs.post_send_chain(wrs, [op])
+            sq.append((wr.wr_id & _M64, int(wr.send_flags) & _F_SIGNALED != 0,
+                       WC_OPCODE_FOR_WR[op]))
+        else:
+            ops = [check_send_wr(wr, cap)[0] for wr in wrs]
+            if fast is not None:
+                try:
+                    rc, posted = fast.post_send(wrs, ops)
+                except OverflowError as exc:
+                    raise InvalidWorkRequest(
+                        f"a work request field is out of range: {exc}") from None
+            else:
+                self._wrs.post_send_chain(wrs, ops)
+                rc, posted = 0, n
+            q.posted_send((wr.wr_id & _M64, int(wr.send_flags) & _F_SIGNALED != 0,
+                           WC_OPCODE_FOR_WR[op])
+                          for wr, op in zip(wrs[:posted], ops[:posted], strict=True))
+            if rc:
+                raise _post_error("ibv_post_send", rc)
         if st == QPState.ERR:
             self._flush_posted()
-
-    @staticmethod
-    def _cache_put(cache: dict[tuple[int, int, int], Any], key: tuple[int, int, int],
-                   p: Any, limit: int = _WR_CACHE) -> None:
-        if len(cache) >= limit:
-            cache.pop(next(iter(cache))).close()  # the oldest
-        cache[key] = p
-
-    def _new_send_wr(self, key: tuple[int, int, int]) -> Any:
-        """A new pyverbs SendWR for single-WR posts with the one SGE ``key`` = (addr,
-        length, lkey), cached for re-use: building one costs two pyverbs objects (each a
-        logger look-up and a malloc) and their ``close``; the device copies a WR when it
-        is posted, so the object is free again as soon as ``post_send`` returns. The
-        caller sets ``wr_id``, ``opcode``, ``send_flags`` and what its opcode uses (a
-        cached WR keeps the values of its last post: a plain SEND reads none of the
-        others). A cached WR is never chained (its ``next`` stays NULL). Posting happens
-        on one thread (the event loop's)."""
-        pvwr = self._pv.wr
-        sge = pvwr.SGE(*key)
-        try:
-            p = pvwr.SendWR(wr_id=0, opcode=int(WROpcode.SEND), num_sge=1, sg=[sge],
-                            send_flags=0)
-        finally:
-            sge.close()  # SendWR copied it
-        self._cache_put(self._send_wrs, key, p)
-        return p
-
-    def _new_recv_wr(self, key: tuple[int, int, int]) -> Any:
-        """A new pyverbs RecvWR for the one-SGE receive ``key`` = (addr, length, lkey),
-        cached for re-use like ``_new_send_wr``'s (one per receive buffer: the cache holds
-        as many as the receive queue); the caller sets its ``wr_id``."""
-        pvwr = self._pv.wr
-        sge = pvwr.SGE(*key)
-        try:
-            p = pvwr.RecvWR(wr_id=0, num_sge=1, sg=[sge])
-        finally:
-            sge.close()
-        self._cache_put(self._recv_wrs, key, p, max(_WR_CACHE, self._queues.max_recv))
-        return p
-
-    def _post_recv_cached(self, wrs: list[RecvWR]) -> None:
-        """Post one-SGE receives through their cached pyverbs WRs, one ibv_post_recv
-        each (cheaper than building a chain of new objects). Like a chained post that
-        fails at ``bad_wr``, the WRs before a failing one stay posted (and are recorded).
-        This runs for every re-posted buffer: the wr_ids are recorded once per call."""
-        post = self._qp.post_recv
-        cache = self._recv_wrs
-        posted: list[int] = []
-        try:
-            for wr in wrs:
-                s = wr.sg_list[0]
-                key = (s.addr, s.length, s.lkey)
-                p = cache.get(key)
-                if p is None:
-                    p = self._new_recv_wr(key)
-                wr_id = wr.wr_id & _M64
-                p.wr_id = wr_id
-                post(p)
-                posted.append(wr_id)
-        except self._pv.Error as exc:
-            raise PostError(compat.errno_of(exc), f"ibv_post_recv: {exc}") from None
-        except OverflowError as exc:
-            raise InvalidWorkRequest(f"a work request field is out of range: {exc}") from None
-        finally:
-            self._queues.posted_recv(posted)
 
     def post_recv(self, wrs: list[RecvWR]) -> None:
         st = self._state
@@ -343,45 +264,31 @@ class IbvQP(QP):
         if n > q.recv_room():
             raise PostError(errno.ENOMEM, f"receive queue full ({len(q.rq)} of {q.max_recv} "
                             f"in use, {n} more posted)")
-        if check_recv_wrs(wrs, self.cap):
-            self._post_recv_cached(wrs)
+        single = check_recv_wrs(wrs, self.cap)
+        fast = self._fast
+        if fast is not None:
+            try:
+                rc, posted = fast.post_recv(wrs)
+            except OverflowError as exc:
+                raise InvalidWorkRequest(f"a work request field is out of range: {exc}") from None
+            if posted == n == 1:
+                q.rq.append(wrs[0].wr_id & _M64)
+            else:
+                q.posted_recv(wr.wr_id & _M64 for wr in wrs[:posted])
+            if rc:
+                raise _post_error("ibv_post_recv", rc)
+        elif single:
+            # This runs for every re-posted buffer: the wr_ids are recorded once per call.
+            posted_ids: list[int] = []
+            try:
+                self._wrs.post_recv_cached(wrs, posted_ids)
+            finally:
+                q.posted_recv(posted_ids)
         else:
-            self._post_recv_chain(wrs)
+            self._wrs.post_recv_chain(wrs)
+            q.posted_recv(wr.wr_id & _M64 for wr in wrs)
         if st == QPState.ERR:
             self._flush_posted()
-
-    def _post_recv_chain(self, wrs: list[RecvWR]) -> None:
-        """Post receives with any number of SGEs as one chain of new pyverbs WRs (freed
-        after the post; an empty SGE list is posted as num_sge 0)."""
-        pvwr = self._pv.wr
-        sges: list[Any] = []
-        built: list[Any] = []
-        head: Any = None
-        try:
-            for wr in reversed(wrs):
-                sg = [pvwr.SGE(s.addr, s.length, s.lkey) for s in wr.sg_list]
-                if not sg:
-                    sg = [pvwr.SGE(0, 0, 0)]
-                sges.extend(sg)
-                if head is None:
-                    p = pvwr.RecvWR(wr_id=wr.wr_id & _M64, num_sge=len(sg), sg=sg)
-                else:
-                    p = pvwr.RecvWR(wr_id=wr.wr_id & _M64, num_sge=len(sg), sg=sg, next_wr=head)
-                built.append(p)
-                if not wr.sg_list:
-                    p.num_sge = 0
-                head = p
-            self._qp.post_recv(head)
-        except self._pv.Error as exc:
-            raise PostError(compat.errno_of(exc), f"ibv_post_recv: {exc}") from None
-        except OverflowError as exc:
-            raise InvalidWorkRequest(f"a work request field is out of range: {exc}") from None
-        finally:
-            for obj in built:
-                obj.close()
-            for s in sges:
-                s.close()
-        self._queues.posted_recv(wr.wr_id & _M64 for wr in wrs)
 
     def close(self) -> None:
         if self._closed:
@@ -393,12 +300,11 @@ class IbvQP(QP):
             self._qp.close()
         except self._pv.Error as exc:
             raise ctx._error(exc, "ibv_destroy_qp") from None
+        if self._fast is not None:
+            self._fast.close()  # its struct ibv_qp is gone: it posts nothing from now on
         self._closed = True
         self._queues.reset()
-        for cache in (self._send_wrs, self._recv_wrs):
-            for p in cache.values():
-                p.close()
-            cache.clear()
+        self._wrs.close()
         if ctx._qps.get(self.qp_num) is self:
             del ctx._qps[self.qp_num]
         self.pd._qps.discard(self)
