@@ -11,7 +11,7 @@ _NATIVE_C = $(patsubst %.pyx,%.c,$(wildcard aiordma/*/*/*.pyx aiordma/*/*.pyx ai
 
 
 .PHONY: bench-cost
-.PHONY: native native-prereqs clean-native test-native test-wheel results setup echo test test-fast test-rxe test-rxe-all test-rxe-bookworm test-rxe-compat lint bench bench-rxe clean
+.PHONY: native native-prereqs clean-native test-native test-wheel results setup echo test test-fast test-net net-prereqs bench-net test-rxe test-rxe-all test-rxe-bookworm test-rxe-compat lint bench bench-rxe clean
 
 $(VENV)/.stamp: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,23 +19,46 @@ $(VENV)/.stamp: pyproject.toml
 	AIORDMA_BUILD=python $(PY) -m pip install -q -e '.[test]'
 	touch $@
 
-setup: $(VENV)/.stamp
+# distributed's comm test module (tests/test_dask_comms.py runs its generic checks
+# against rdma://): pip's wheels leave it out, Debian's python3-distributed ships it.
+# Fetched once; without it (no apt-get, no mirror) those tests skip, saying why.
+DIST_TESTS := $(VENV)/distributed-tests
+$(DIST_TESTS)/VERSION: tests/fetch-distributed-tests.sh | $(VENV)/.stamp
+	bash tests/fetch-distributed-tests.sh $(DIST_TESTS) \
+		|| echo "make: distributed's comm tests not fetched; tests/test_dask_comms.py skips them"
+
+setup: $(VENV)/.stamp $(DIST_TESTS)/VERSION
 
 ## The main job: async echo across two processes on the soft provider.
 echo: setup
 	AIORDMA_PROVIDER=soft $(PY) examples/echo_pair.py --count $(COUNT) --size $(SIZES)
 
 ## Fast tier: unit, sans-IO and provider-parametrised tests on `soft`, both loops,
-## plus mypy and ruff.
+## plus mypy and ruff (the two-host tests are test-net's).
 test-fast: setup
-	AIORDMA_PROVIDER=soft $(PY) -m pytest -q
+	AIORDMA_PROVIDER=soft $(PY) -m pytest -q -m "not netns"
 
-## The test command (README, .ci/run): the fast tier (the pure-Python sources), the fast
-## tier again on the native build (Cython extensions and mypyc), the package as a user
-## installs it, then the same suite on real verbs (rdma_rxe, the Cython extensions built
-## in the guest) inside the Soft-RoCE VM: forky (pyverbs 65), then the compat run on
-## bookworm (44).
-test: test-fast test-native test-wheel test-rxe test-rxe-compat
+## Two hosts on this machine (network namespaces joined by a veth pair, root): `soft`
+## over TCP between them, the endpoint API, traffic under loss/delay/reordering/
+## duplication, and the faults a network has (link down, total loss, paused, killed
+## and vanished peers), with the figures they measured printed at the end.
+test-net: setup net-prereqs
+	AIORDMA_PROVIDER=soft $(PY) -m pytest -q -rs -m netns
+
+# iproute2 (ip netns) and iptables, installed with apt-get when missing (as root).
+net-prereqs:
+	@if ! command -v ip >/dev/null 2>&1 || ! command -v iptables >/dev/null 2>&1; then \
+		command -v apt-get >/dev/null 2>&1 || { echo "make test-net: needs iproute2 and iptables"; exit 1; }; \
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq iproute2 iptables; \
+	fi
+
+## The test command (README, .ci/run): the fast tier (the pure-Python sources), the
+## two-host tier, the fast tier again on the native build (Cython extensions and mypyc),
+## the package as a user installs it, then the same suite on real verbs (rdma_rxe, the
+## Cython extensions built in the guest) inside the Soft-RoCE VM: forky (pyverbs 65),
+## then the compat run on bookworm (44).
+test: test-fast test-net test-native test-wheel test-rxe test-rxe-compat
 
 lint: setup
 	$(PY) -m ruff check aiordma tests examples
@@ -84,7 +107,8 @@ test-native: setup native-prereqs
 		| tar -xf - -C $(NATIVE_TREE)
 	cd $(NATIVE_TREE) && $(BUILD_NATIVE) >build.log 2>&1 || { tail -50 build.log; exit 1; }
 	cd $(NATIVE_TREE) && AIORDMA_PROVIDER=soft AIORDMA_EXPECT_BUILD=$(NATIVE_TAGS) \
-		$(abspath $(PY)) -m pytest -q -p no:cacheprovider -m "not lint"
+		AIORDMA_DISTRIBUTED_TESTS=$(abspath $(DIST_TESTS)) \
+		$(abspath $(PY)) -m pytest -q -p no:cacheprovider -m "not lint and not netns"
 
 ## The package as a user gets it: build the sdist and, from it, the wheel (build/dist),
 ## install the wheel alone into a fresh venv (build/wheel-venv, no index, no checkout on
@@ -109,19 +133,22 @@ test-wheel: setup
 # the verbs layer, endpoints, EOF/close and the multi-process tests on both loops; the
 # layers above the endpoint (Transports/Protocols, streams, the examples as separate
 # processes, one device shared by loops in threads, the aiordma command, the README's
-# code) on uvloop only -- they use nothing of the provider but the endpoint, and the
-# fast tiers run them on both loops. (Both loops everywhere took 12 min of CI's ~31 on a
-# slow host; `make test-rxe-all` runs it.)
+# code, the Dask backend with Debian's python3-distributed) on uvloop only -- they use
+# nothing of the provider but the endpoint, and the fast tiers run them on both loops.
+# (Both loops everywhere took 12 min of CI's ~31 on a slow host; `make test-rxe-all`
+# runs it.)
 RXE_TESTS ?= tests/test_verbs_provider.py tests/test_ibverbs_compat.py tests/test_endpoint.py \
 	tests/test_endpoint_eof.py tests/test_multiprocess.py
 RXE_TESTS_ONE_LOOP ?= tests/test_rdma_transport.py tests/test_streams.py \
 	tests/test_examples_protocols.py tests/test_device_threads.py tests/test_cli.py \
-	tests/test_docs.py
+	tests/test_docs.py tests/test_dask_comms.py tests/test_dask_cluster.py
 RXE_PYTEST = python3 -m pytest -p no:cacheprovider -q -rfEs --durations=10
 RXE_BOTH = -k "not tcp"
 # (pytest-asyncio marks every async test "asyncio": those run on uvloop only, the rest
 # (synchronous tests, examples as processes) as usual)
-RXE_UVLOOP = -k "not tcp and (uvloop or not asyncio)"
+# (distributed's check_client_server on rdma://, 21 connections at once, takes 4-5 min
+# in the emulated guest, twice: the fast tier runs it; the rest of the Dask tests run here)
+RXE_UVLOOP = -k "not tcp and not client_server and (uvloop or not asyncio)"
 
 test-rxe:
 	bash tests/rxe/run-vm.sh -- bash -c '$(RXE_PYTEST) $(RXE_BOTH) $(RXE_TESTS) \
@@ -167,6 +194,13 @@ results: setup
 	$(PY) -m pip install -q -e '.[test,plot]'
 	$(PY) -m aiordma bench $(RESULTS_ARGS) --save docs/results/current.json --plot docs/results/current.png
 	$(PY) -m aiordma.bench.report docs/results/current.json --update README.md docs/benchmarks.md
+
+## soft between two network namespaces against plain TCP on the same link, measured in
+## the same run: clean, 10% loss, reordering, delay; a receiver paused 3 s (root; about 4
+## minutes). BENCH_NET_ARGS="--sweep 15,16,17,18,19": the retry-policy sweep of docs/networks.md.
+BENCH_NET_ARGS ?=
+bench-net: setup net-prereqs
+	$(PY) -m aiordma.bench.network $(BENCH_NET_ARGS)
 
 ## The same harness on real verbs in the Soft-RoCE VM: aiordma's `verbs` provider against
 ## a synchronous busy-polling pyverbs program and perftest (ib_send_lat, ib_write_bw)

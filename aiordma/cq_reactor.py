@@ -260,11 +260,10 @@ class CQReactor:
                 return slot.cq
         capacity = max(self.cq_size, need)
         channel = self.ctx.create_comp_channel()
-        # Manual progress (optional provider capability, the soft device): this thread
-        # moves the device's bytes when the channel's progress fd is readable.
-        start = getattr(channel, "start_progress", None)
+        # Manual progress (a provider capability, the soft device: CompChannel): this
+        # thread moves the device's bytes when the channel's progress fd is readable.
         try:
-            pfd = start() if start is not None else None
+            pfd = channel.start_progress() if channel.manual_progress else None
             cq = self.ctx.create_cq(capacity, channel)
         except BaseException:
             channel.close()
@@ -277,7 +276,7 @@ class CQReactor:
         self.loop.add_reader(slot.fd, self._on_readable, slot)
         if pfd is not None and pfd >= 0:
             slot.progress_fd = pfd
-            slot.progress = channel.progress  # type: ignore[attr-defined]
+            slot.progress = channel.progress
             self.loop.add_reader(pfd, self._on_progress, slot)
         self.in_place = self.mode == "polling" and self.spin_us > 0
         return cq

@@ -18,6 +18,7 @@ import logging
 import threading
 import weakref
 from collections.abc import Callable
+from typing import Any
 
 from .cq_reactor import CQReactor, poll_settings
 from .verbs import AsyncEvent, Context, EventType, open_context, select_provider
@@ -46,6 +47,11 @@ class Device:
                                            Callable[[AsyncEvent], None]]] = {}
         self._async_loop: asyncio.AbstractEventLoop | None = None
         self.async_events = 0
+        #: what endpoints hold of this device (``resources.Resources``, with a
+        #: ``destroy()`` that removes it): destroyed at exit if still alive
+        #: (``_quiesce_at_exit``). Held strongly: an endpoint's posted receives keep it
+        #: alive anyway until its QP is destroyed (the reactor holds their handlers).
+        self.holders: set[Any] = set()
         _open_devices.add(self)
 
     @classmethod
@@ -214,9 +220,12 @@ _open_devices: weakref.WeakSet[Device] = weakref.WeakSet()
 
 
 @atexit.register
-def _ack_at_exit() -> None:
+def _quiesce_at_exit() -> None:
     """A program may exit with endpoints never closed (a loop stopped mid-way): ack the
-    events of every open device's CQs, so that destroying them at exit cannot block."""
+    events of every open device's CQs, so that destroying them at exit cannot block,
+    then destroy what those endpoints hold (QP, MRs, PD) while the device context is
+    still open. Left to the garbage collector, which breaks the reference cycles at
+    exit in any order, a PD or MR freed after its context fails (EBADF)."""
     for dev in list(_open_devices):
         if not dev.closed:
             for r in list(dev._reactors.values()):
@@ -224,6 +233,11 @@ def _ack_at_exit() -> None:
                     r.ack_pending()
                 except Exception:  # exiting anyway: nothing better to do than go on
                     log.debug("aiordma: ack at exit failed", exc_info=True)
+            for holder in list(dev.holders):
+                try:
+                    holder.destroy()
+                except Exception:  # exiting anyway
+                    log.debug("aiordma: destroy at exit failed", exc_info=True)
 
 
 def open_device(name: str | None = None, *, provider: str | None = None) -> Device:

@@ -33,6 +33,7 @@ import secrets
 from collections import deque
 from typing import Any, Final
 
+from . import liveness
 from .device import Device
 from .errors import ConnectionClosed, MessageTooLarge
 from .lifecycle import Lifecycle, uncancelled
@@ -41,6 +42,7 @@ from .options import EndpointOptions
 from .protocol.engine import MessageEngine
 from .protocol.framing import HANDSHAKE_FLAG_BATCH
 from .protocol.handshake import Hello
+from .protocol.heartbeat import HANDSHAKE_FLAG_LIVENESS
 from .protocol.ops import ATOMIC, DATA, IMM, READ, RNDV, RX_DATA, RX_EOF, WRITE, Op, Rx
 from .protocol.state import Local, Remote
 from .resources import Resources
@@ -84,6 +86,7 @@ class Endpoint:
         device.watch_qp(self.qp_num, self._on_async_event, loop)
         self._psn = secrets.randbelow(1 << 24)  # unpredictable, as a NIC's initial PSN
         self._gid_index = 0
+        self._peer_heartbeat = False  # the peer answers heartbeat PINGs (handshake flag)
         self._recv_lock = asyncio.Lock()
         self.local_address: tuple[Any, ...] | None = None
         self.peer_address: tuple[Any, ...] | None = None
@@ -107,21 +110,29 @@ class Endpoint:
         return Hello(qp_num=self.qp_num, psn=self._psn, gid=gid, lid=port.lid,
                      mtu=int(port.active_mtu), recv_credits=self._res.recv_depth,
                      eager_size=self._engine.eager, max_message_size=self.max_message_size,
-                     provider=self.provider, flags=HANDSHAKE_FLAG_BATCH)
+                     provider=self.provider,
+                     flags=HANDSHAKE_FLAG_BATCH | HANDSHAKE_FLAG_LIVENESS)
 
     def establish(self, peer: Hello) -> None:
         """Move the QP to RTS towards ``peer``. Raises RDMAError on failure."""
         self._engine.connect(peer.recv_credits, self._res.recv_depth, peer.eager_size,
                              peer.max_message_size, bool(peer.flags & HANDSHAKE_FLAG_BATCH))
         self.peer_qp_num = peer.qp_num
+        self._peer_heartbeat = bool(peer.flags & HANDSHAKE_FLAG_LIVENESS)
         self._res.connect(peer.gid, peer.lid, peer.qp_num, peer.psn, peer.mtu,
-                          self._gid_index, self._psn)
+                          self._gid_index, self._psn, timeout=self._opts.qp_timeout(self.provider),
+                          retry_cnt=self._opts.retry_cnt)
 
-    def start(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """Begin watching the out-of-band TCP connection: its EOF means the peer is gone."""
+    def start(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *,
+              accepting: bool = False) -> None:
+        """Begin watching the out-of-band TCP connection (``liveness``): its EOF means the
+        peer is gone, the heartbeat finds a peer frozen or cut off. ``accepting``: this
+        side is the listener's."""
         self.local_address = writer.get_extra_info("sockname")
         self.peer_address = writer.get_extra_info("peername")
-        self._life.start(reader, writer)
+        self._life.start(reader, writer, liveness.heartbeat_for(
+            self._opts, peer_answers=self._peer_heartbeat, accepting=accepting,
+            now=self._loop.time()))
 
     # ---------------------------------------------------------------- properties
     @property
@@ -183,6 +194,7 @@ class Endpoint:
             "work_requests_posted": e.tx.work_requests_posted,
             "state": e.state.state.name,
             "reactor": self._reactor.statistics(),
+            "heartbeat": liveness.statistics(self._life.heartbeat),
         }
 
     # ---------------------------------------------------------------- memory
@@ -614,6 +626,11 @@ class Endpoint:
         """Immediate close: every pending operation fails with ConnectionClosed now;
         the peer sees the connection drop. Idempotent."""
         self._life.abort()
+
+    def _abort_now(self) -> None:
+        """``abort`` that also destroys every resource before returning: for a task being
+        cancelled, whose loop may be shutting down (``asyncio.run`` at exit)."""
+        self._life.abort(now=True)
 
     async def wait_closed(self) -> None:
         """Wait until every resource of the endpoint is destroyed."""

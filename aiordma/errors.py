@@ -117,6 +117,16 @@ class ConnectionClosed(RDMAError, ConnectionResetError):
         super().__init__(errno.ECONNRESET, msg)
 
 
+class PeerUnresponsive(RDMAError, TimeoutError):
+    """The peer answered no heartbeat on the setup connection for ``liveness_timeout``
+    seconds: its process is frozen (stopped, or its event loop blocked), or its host
+    is down or unreachable. The endpoint fails with it: every pending operation raises
+    ``ConnectionClosed`` whose ``__cause__`` it is."""
+
+    def __init__(self, msg: str) -> None:
+        super().__init__(errno.ETIMEDOUT, msg)
+
+
 class ConnectionRefused(RDMAError, ConnectionRefusedError):
     """The peer refused the connection (nothing listening, or rejected in the handshake)."""
 

@@ -19,8 +19,10 @@ import asyncio
 import logging
 from typing import Any, Final, cast
 
-from .errors import ConnectionClosed, RDMAError
+from . import liveness
+from .errors import ConnectionClosed, PeerUnresponsive, RDMAError
 from .protocol.engine import MessageEngine
+from .protocol.errors import RemoteProtocolError
 from .protocol.ops import DATA, IMM, RNDV, wake
 from .protocol.state import Local, Remote
 from .resources import Resources
@@ -74,6 +76,7 @@ class Lifecycle:
         self.done = loop.create_future()
         self._teardown_task: asyncio.Task[None] | None = None
         self.control: asyncio.StreamWriter | None = None
+        self.heartbeat: liveness.Heartbeat | None = None
         self._watch_task: asyncio.Task[None] | None = None
 
     # ---------------------------------------------------------------- engine hooks
@@ -103,17 +106,22 @@ class Lifecycle:
             self.closing.set_result(None)
 
     # ---------------------------------------------------------------- the setup connection
-    def start(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """Begin watching the out-of-band TCP connection: its EOF means the peer is gone."""
+    def start(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+              heartbeat: liveness.Heartbeat | None) -> None:
+        """Begin watching the out-of-band TCP connection: its EOF means the peer is gone,
+        ``heartbeat`` (``liveness``) finds a peer frozen or cut off."""
         self.control = writer
-        self._watch_task = self._loop.create_task(self._watch_control(reader))
+        self.heartbeat = heartbeat
+        self._watch_task = self._loop.create_task(self._watch_control(reader, writer,
+                                                                      heartbeat))
 
-    async def _watch_control(self, reader: asyncio.StreamReader) -> None:
+    async def _watch_control(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                             hb: liveness.Heartbeat | None) -> None:
         try:
-            while await reader.read(4096):
-                pass  # nothing is sent on it after the handshake; ignore stray bytes
-        except (ConnectionError, OSError):
-            pass
+            await liveness.watch(reader, writer, hb)
+        except (PeerUnresponsive, RemoteProtocolError) as exc:
+            self._engine.fail(exc)
+            return
         except asyncio.CancelledError:
             return
         e = self._engine
@@ -232,12 +240,16 @@ class Lifecycle:
             return
         self._engine.queue_close(eof, final=final)
 
-    def abort(self) -> None:
-        """``Endpoint.abort``."""
+    def abort(self, now: bool = False) -> None:
+        """``Endpoint.abort``. ``now``: also destroy every resource before returning (for a
+        caller being cancelled, e.g. by asyncio.run() at exit, which would otherwise leave
+        the teardown to a task that never runs)."""
         if self.closing is None:
             self.closing = self._loop.create_future()
             self.closing.set_result(None)
         self._engine.fail(ConnectionClosed("endpoint was aborted"))
+        if now:
+            self.destroy_now()
 
     # ---------------------------------------------------------------- teardown
     def _start_teardown(self) -> None:
@@ -266,7 +278,9 @@ class Lifecycle:
         if self.done.done():
             return
         task = self._teardown_task
-        if task is not None and not task.done() and task is not asyncio.current_task():
+        # (no running loop: the task's coroutine is being closed by the GC)
+        running = asyncio.current_task() if self._loop.is_running() else None
+        if task is not None and not task.done() and task is not running:
             task.cancel()  # it only waits for the flush; its finally finds us done
         try:
             if self._watch_task is not None and not self._watch_task.done():

@@ -171,7 +171,7 @@ class Listener:
         try:
             await self._handler(ep)
         except asyncio.CancelledError:
-            ep.abort()
+            ep._abort_now()  # a teardown task started now might never run (loop shutdown)
             raise
         except Exception:
             log.exception("aiordma: connection handler raised; aborting its endpoint")
@@ -219,7 +219,7 @@ class Listener:
             ready = await _read_message(reader, decoder, o.handshake_timeout, "READY")
             if not isinstance(ready, Ready):
                 raise HandshakeError(f"expected READY, got {type(ready).__name__}")
-            ep.start(reader, writer)
+            ep.start(reader, writer, accepting=True)
             return ep
         except BaseException:
             await _discard(writer, ep)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import ssl
 from typing import Any
 
@@ -10,6 +11,31 @@ from .protocol.auth import check_secret
 
 KiB = 1024
 MiB = 1024 * KiB
+
+#: ``ack_timeout`` by provider. soft: 18, 1.07 s a try, 8.6 s without progress before
+#: RETRY_EXC_ERR with 7 retries -- its responder is the peer's process, so the timer
+#: must outlast a paused peer (3 s) and TCP's retransmission back-off on a lossy link
+#: underneath; verbs: 14, 67 ms a try (0.54 s): the NIC answers for its host, and a
+#: retry resends what a lossy fabric dropped.
+DEFAULT_ACK_TIMEOUT = {"soft": 18, "verbs": 14}
+
+
+DEFAULT_LIVENESS_TIMEOUT = 8.0
+
+
+def _liveness_default() -> float | None:
+    """``liveness_timeout``'s default: ``AIORDMA_LIVENESS_TIMEOUT`` (seconds, or ``none``)
+    when set -- an emulated or heavily loaded machine, whose event loops can stall for
+    seconds, wants more -- else ``DEFAULT_LIVENESS_TIMEOUT``. ValueError if invalid."""
+    raw = os.environ.get("AIORDMA_LIVENESS_TIMEOUT")
+    if not raw:
+        return DEFAULT_LIVENESS_TIMEOUT
+    if raw.strip().lower() == "none":
+        return None
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError(f"AIORDMA_LIVENESS_TIMEOUT={raw!r} is not a number or 'none'") from None
 
 
 @dataclasses.dataclass
@@ -46,6 +72,18 @@ class EndpointOptions:
       waits for ``recv``. While a receive is in progress (its own message is READ
       straight into its buffer), at most ``min(rndv_prefetch, 4 MiB)`` of the ones
       behind it are read ahead. 0: nothing is staged, every READ waits for a receiver.
+    * ``ack_timeout``/``retry_cnt``: the QP's local ACK timeout and retry count, with
+      their verbs meaning: one try lasts ``4.096 us * 2**ack_timeout``, and
+      ``retry_cnt + 1`` tries in a row without progress fail the connection with
+      ``RetryExceededError`` (IBV_WC_RETRY_EXC_ERR). ``None``: the provider's default
+      (``DEFAULT_ACK_TIMEOUT``; docs/networks.md says how they were chosen).
+    * ``liveness_timeout``: seconds without an answer from the peer's event loop (a
+      heartbeat on the setup connection, every quarter of it) after which the endpoint
+      fails with ``PeerUnresponsive``: a peer frozen, or cut off, is found
+      ``liveness_timeout * 3/4`` to ``liveness_timeout`` after it went silent. Default
+      8 s, or ``AIORDMA_LIVENESS_TIMEOUT``: a 3 s pause of the peer passes, a silent
+      peer is found within 8 s. None: this side never gives up on the peer (it still
+      answers the peer's heartbeat).
     """
 
     provider: str | None = None
@@ -68,6 +106,9 @@ class EndpointOptions:
     close_timeout: float = 10.0
     rndv_prefetch: int = 64 * MiB
     max_wr_size: int | None = None
+    ack_timeout: int | None = None
+    retry_cnt: int = 7
+    liveness_timeout: float | None = dataclasses.field(default_factory=_liveness_default)
 
     @classmethod
     def from_kwargs(cls, opts: dict[str, Any]) -> EndpointOptions:
@@ -80,6 +121,12 @@ class EndpointOptions:
         o = cls(**opts)
         o.validate()
         return o
+
+    def qp_timeout(self, provider: str) -> int:
+        """The QP's ``timeout`` attribute on ``provider`` (``ack_timeout`` or its default)."""
+        if self.ack_timeout is not None:
+            return self.ack_timeout
+        return DEFAULT_ACK_TIMEOUT.get(provider, DEFAULT_ACK_TIMEOUT["verbs"])
 
     def validate(self) -> None:
         if not 4 <= self.recv_depth <= 16384:
@@ -98,6 +145,12 @@ class EndpointOptions:
             raise ValueError("repost_batch must be >= 1")
         if self.max_wr_size is not None and self.max_wr_size < 4 * KiB:
             raise ValueError("max_wr_size must be >= 4 KiB")
+        if self.ack_timeout is not None and not 0 <= self.ack_timeout <= 31:
+            raise ValueError("ack_timeout must be in [0, 31] (0: wait forever)")
+        if not 0 <= self.retry_cnt <= 7:
+            raise ValueError("retry_cnt must be in [0, 7]")
+        if self.liveness_timeout is not None and not self.liveness_timeout > 0:
+            raise ValueError("liveness_timeout must be positive, or None (never)")
         if self.rndv_prefetch < 0:
             raise ValueError("rndv_prefetch must be >= 0")
         self.secret = check_secret(self.secret)

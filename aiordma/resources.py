@@ -88,6 +88,7 @@ class Resources:
         except BaseException:
             device.release()  # the caller's reference: nothing else was made yet
             raise
+        device.holders.add(self)  # destroyed at exit if still alive
         # One work request moves at most the port's max_msg_sz (rxe on 6.1: 8 MiB):
         # longer READs/WRITEs are posted as several, in order (see wr_chunks).
         self.max_wr = min(opts.max_wr_size or self.port.max_msg_sz, self.port.max_msg_sz)
@@ -130,15 +131,16 @@ class Resources:
 
     # ---------------------------------------------------------------- connecting
     def connect(self, gid: bytes, lid: int, qp_num: int, psn: int, mtu: int, gid_index: int,
-                our_psn: int) -> None:
-        """Move the QP to RTS towards the peer. Raises RDMAError."""
+                our_psn: int, *, timeout: int, retry_cnt: int) -> None:
+        """Move the QP to RTS towards the peer (``timeout``/``retry_cnt``: the local ACK
+        timeout and retries, their verbs meaning). Raises RDMAError."""
         path_mtu = MTU(min(mtu, int(self.port.active_mtu)))
         self.qp.modify(QPAttr(QPState.RTR, path_mtu=path_mtu, dest_qp_num=qp_num,
                               rq_psn=psn, max_dest_rd_atomic=16, min_rnr_timer=12,
                               ah_attr=AHAttr(dgid=gid, dlid=lid, sgid_index=gid_index,
                                              port_num=1)))
-        self.qp.modify(QPAttr(QPState.RTS, sq_psn=our_psn, timeout=14, retry_cnt=7,
-                              rnr_retry=7, max_rd_atomic=16))
+        self.qp.modify(QPAttr(QPState.RTS, sq_psn=our_psn, timeout=timeout,
+                              retry_cnt=retry_cnt, rnr_retry=7, max_rd_atomic=16))
 
     # ---------------------------------------------------------------- engine port: posting
     def drop_send_id(self, wr_id: int) -> None:
@@ -249,6 +251,7 @@ class Resources:
         if self.destroyed:
             return
         self.destroyed = True
+        self.device.holders.discard(self)
         if hasattr(self, "qp"):
             self.device.unwatch_qp(self.qp.qp_num)
         if hasattr(self, "regions"):

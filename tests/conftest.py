@@ -172,3 +172,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         marker = item.get_closest_marker("timeout")
         seconds = float(marker.args[0]) if marker and marker.args else ASYNC_TEST_TIMEOUT
         item.obj = _with_hard_timeout(fn, seconds)  # type: ignore[attr-defined]
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """The figures tests measured (``_peers.figure``: fault detection times, traffic
+    under faults), after the run: printed, never asserted on."""
+    from _peers import FIGURES
+
+    if FIGURES:
+        terminalreporter.section("measured figures")
+        for line in FIGURES:
+            terminalreporter.write_line(line)

@@ -408,6 +408,21 @@ def test_max_wr_size_is_validated() -> None:
         EndpointOptions.from_kwargs({"max_wr_size": 100})
 
 
+def test_ack_timeout_and_retry_cnt_options() -> None:
+    from aiordma.verbs.soft.requester import local_ack_timeout_s
+
+    o = EndpointOptions()
+    assert (o.qp_timeout("soft"), o.qp_timeout("verbs"), o.retry_cnt) == (18, 14, 7)
+    assert EndpointOptions.from_kwargs({"ack_timeout": 0}).qp_timeout("soft") == 0
+    for bad in ({"ack_timeout": 32}, {"ack_timeout": -1}, {"retry_cnt": 8}, {"retry_cnt": -1}):
+        with pytest.raises(ValueError):
+            EndpointOptions.from_kwargs(bad)
+    # soft: one try is 4.096 us * 2**timeout, at least 2**15 of them; 0 waits forever
+    assert local_ack_timeout_s(0) is None
+    assert local_ack_timeout_s(18) == pytest.approx(1.073741824)
+    assert local_ack_timeout_s(3) == local_ack_timeout_s(15) == pytest.approx(0.134217728)
+
+
 async def test_atomics(opts: dict) -> None:
     async with pair(opts) as (ep, q):
         srv = await server_ep(q)
@@ -795,6 +810,38 @@ async def test_handler_exception_keeps_listener_serving(opts: dict) -> None:
         ep2 = await aiordma.connect(HOST, listener.port, **opts)
         assert await asyncio.wait_for(ep2.recv(), T) == b"ok"
         await ep2.close()
+    finally:
+        listener.close()
+        await listener.wait_closed()
+
+
+async def test_cancelled_handler_destroys_its_endpoint_before_it_ends(opts: dict) -> None:
+    """A handler cancelled (as asyncio.run() cancels what is left at exit) leaves nothing
+    to a teardown task that may never run: its endpoint is destroyed by the time the
+    handler's task has finished, and the client sees the connection drop."""
+    got: asyncio.Queue[aiordma.Endpoint] = asyncio.Queue()
+
+    async def handler(ep: aiordma.Endpoint) -> None:
+        got.put_nowait(ep)
+        await asyncio.Event().wait()
+
+    listener = await aiordma.listen(handler, HOST, 0, **opts)
+    try:
+        ep = await aiordma.connect(HOST, listener.port, **opts)
+        srv = await server_ep(got)
+        await ep.send(b"in flight")  # a receive consumed, the server's others still posted
+        tasks = set(listener._tasks)
+        assert len(tasks) == 1
+        for t in tasks:
+            t.cancel()
+        await asyncio.wait(tasks, timeout=T)
+        assert all(t.cancelled() for t in tasks)
+        assert srv.closed
+        assert srv._life.done.done(), "the endpoint was left to a teardown task"
+        with pytest.raises(aiordma.ConnectionClosed):
+            await asyncio.wait_for(ep.recv(), T)
+        ep.abort()
+        await asyncio.wait_for(ep.wait_closed(), T)
     finally:
         listener.close()
         await listener.wait_closed()

@@ -10,7 +10,8 @@ import aiordma.protocol
 
 ALLOWED = {"__future__", "struct", "enum", "dataclasses", "errno", "typing", "aiordma.errors",
            "hashlib", "hmac", "secrets",  # (auth.py: pure computation, no I/O)
-           "collections", "collections.abc", "itertools"}
+           "collections", "collections.abc", "itertools",
+           "aiordma.verbs.wr"}  # (the work request and completion records: plain data)
 PACKAGE = Path(aiordma.protocol.__file__).parent
 
 

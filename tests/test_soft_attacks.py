@@ -248,3 +248,31 @@ def _rss() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
+
+
+async def test_a_hello_that_came_during_a_pause_is_read_before_it_expires(
+        victim: Victim) -> None:
+    """After a pause of the process (SIGSTOP, a loaded machine) its timers run late,
+    maybe before the selector reports the socket readable: the HELLO expiry reads
+    what arrived first, and judges the HELLO (here: one for no QP, refused) instead of
+    timing out a connection whose HELLO is there."""
+    import socket as _socket
+
+    from aiordma.verbs.soft.admission import Pending
+
+    adm = victim.engine.admission
+    a, b = _socket.socketpair()
+    try:
+        a.setblocking(False)
+        b.sendall(wire.pack_hello(1, 2, 3, bytes(16), bytes(32)))
+        p = Pending(adm, a, ("test", 0))
+        timed_out, refused = adm.timed_out, adm.refused_hellos
+        with victim.engine.lock:  # as a timer runs it
+            adm.pending[p] = None
+            adm._expire(p)
+        assert p not in adm.pending
+        assert (adm.timed_out, adm.refused_hellos) == (timed_out, refused + 1)
+    finally:
+        a.close()
+        b.close()
+    await victim.still_fine()

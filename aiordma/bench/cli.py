@@ -379,7 +379,7 @@ def format_table(results: list[Result], cfg: Config, baselines: list[str]) -> st
                                           tr_order.get(r.transport, 99)))
     prev = None
     for r in rows:
-        if r.test in ("reactor", "cost"):
+        if r.test in ("reactor", "cost") or r.test.startswith("comm_") or r.test == "rechunk":
             continue
         if prev is not None and (r.test, r.size) != prev:
             w("")
@@ -403,7 +403,8 @@ def format_table(results: list[Result], cfg: Config, baselines: list[str]) -> st
           f"{_f(r.lat_min_us if lat else None):>8s} {_f(gb, '.3f'):>8s} "
           f"{_rate(r.msgs_per_s):>8s} {_f(r.cpu_us_per_op):>8s}  {ratio}")
     # summary: the primary figure of each transport and the aiordma ratios
-    aio = [r for r in rows if r.transport == "aiordma" and r.error is None and r.test != "cost"]
+    aio = [r for r in rows if r.transport == "aiordma" and r.error is None
+           and r.test in (*LAT_TESTS, *BW_TESTS, "msg_rate")]
     if aio:
         socks = [b for b in baselines if b in SOCKET_BASELINES or b in EXTERNAL_BASELINES]
         w("")
@@ -504,6 +505,15 @@ def main(argv: list[str] | None = None) -> int:
 
         _log("bench: cost per round trip (callgrind; minutes)")
         results += cost_bench(cfg)
+    dask_table = ""
+    if "dask" in cfg.tests and not a.no_aiordma:
+        from aiordma.dask.bench import format_table as dask_format
+        from aiordma.dask.bench import run as dask_run
+
+        _log("bench: Dask comms and a cluster workload, tcp:// against rdma://")
+        rows = dask_run(max_seconds=cfg.max_seconds, rounds=a.rounds)
+        dask_table = "\nDask over tcp:// and rdma:// (aiordma.dask.bench)\n" + dask_format(rows)
+        results += [Result(**row) for row in rows]
     two = [t for t in cfg.tests if t in TWO_PROCESS_TESTS]
     if two:
         transports = ([] if a.no_aiordma else ["aiordma"]) + [
@@ -537,7 +547,7 @@ def main(argv: list[str] | None = None) -> int:
           f"provider={cfg.provider or 'default'} poll_mode="
           f"{cfg.poll_mode or 'default'} iters={cfg.iters} window={cfg.window} "
           f"rate_window={cfg.rate_window} max_seconds={cfg.max_seconds:g}\n", file=out)
-    print(table, file=out, flush=True)
+    print(table + dask_table, file=out, flush=True)
     if stats:
         print(f"\naiordma client endpoint statistics: {json.dumps(stats)}", file=out)
     if a.json:

@@ -24,10 +24,11 @@ MiB = 1024 * KiB
 #: perftest-style tests. *_lat: one operation at a time (round trips); *_bw: a window
 #: of operations in flight; msg_rate: small sends, window 64; reactor: in one process;
 #: cost: instructions and Python calls per 64 B round trip (cost.py; not in the default
-#: set: it needs valgrind and takes minutes)
+#: set: it needs valgrind and takes minutes); dask: Dask's comm and a cluster workload on
+#: tcp:// and rdma:// (aiordma.dask.bench; needs the dask extra)
 LAT_TESTS = ("send_lat", "write_lat", "read_lat", "atomic_lat")
 BW_TESTS = ("send_bw", "write_bw", "read_bw")
-ALL_TESTS = (*LAT_TESTS, *BW_TESTS, "msg_rate", "reactor", "cost")
+ALL_TESTS = (*LAT_TESTS, *BW_TESTS, "msg_rate", "reactor", "cost", "dask")
 DEFAULT_TESTS = (*LAT_TESTS, *BW_TESTS, "msg_rate", "reactor")
 TWO_PROCESS_TESTS = (*LAT_TESTS, *BW_TESTS, "msg_rate")
 

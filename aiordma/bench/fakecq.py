@@ -19,6 +19,8 @@ from aiordma.verbs import WC
 class FakeChannel:
     """A completion channel: a non-blocking pipe and the CQs whose events it carries."""
 
+    manual_progress = False  # (CompChannel: a device that progresses by itself)
+
     def __init__(self) -> None:
         self.r, self.w = os.pipe()
         os.set_blocking(self.r, False)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any, Final, Protocol
 
+from aiordma.verbs.wr import SendWR
+
 # op kinds (BATCH: several DATA ops sent as one BATCH frame; its payload lists them)
 DATA: Final = 0
 RNDV: Final = 1
@@ -50,7 +52,7 @@ class Op:
     __slots__ = ("kind", "fut", "slot", "keep", "wr", "payload", "msg_id", "posted")
 
     def __init__(self, kind: int, fut: Waiter | None, payload: Any = None, *,
-                 wr: Any = None, keep: Any = None, msg_id: int = 0) -> None:
+                 wr: SendWR | None = None, keep: Any = None, msg_id: int = 0) -> None:
         self.kind = kind
         self.fut = fut
         self.slot: int | None = None

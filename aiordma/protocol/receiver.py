@@ -20,6 +20,7 @@ from collections import deque
 from typing import TYPE_CHECKING, Any, Final
 
 from aiordma.errors import RDMAError, completion_error
+from aiordma.verbs.wr import WC
 
 from .errors import RemoteProtocolError
 from .framing import FrameType, batch_records, parse_frame
@@ -102,7 +103,7 @@ class Receiver:
                 e.tx.kick()
 
     # ---------------------------------------------------------------- completions
-    def on_wc(self, wc: Any, slot: int) -> None:
+    def on_wc(self, wc: WC, slot: int) -> None:
         """The receive completion ``wc`` of buffer ``slot``: the reactor's handler of
         every receive work request."""
         e = self.e

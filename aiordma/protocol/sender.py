@@ -29,6 +29,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final
 
 from aiordma.errors import RDMAError, completion_error
+from aiordma.verbs.wr import WC, SendWR
 
 from .framing import (
     BATCH_RECORD,
@@ -66,7 +67,7 @@ class Sender:
     flags and wr_id).
     """
 
-    def __init__(self, engine: MessageEngine, spool: Any, frame_wrs: list[Any],
+    def __init__(self, engine: MessageEngine, spool: Any, frame_wrs: list[SendWR],
                  sq: SendQueue) -> None:
         self.e = engine
         self.spool = spool
@@ -170,7 +171,7 @@ class Sender:
         if batch:
             self._post(batch)
 
-    def _frame_wr(self, op: Op, nbytes: int) -> Any:
+    def _frame_wr(self, op: Op, nbytes: int) -> SendWR:
         """The SEND of the frame in ``op``'s slot (that slot's WR; ``_post`` sets wr_id
         and the signaled flag)."""
         assert op.slot is not None
@@ -262,7 +263,7 @@ class Sender:
                     last -= 1
                 else:
                     break
-        wrs: list[Any] = []
+        wrs: list[SendWR] = []
         for i, op in enumerate(batch):
             wr = op.wr
             assert wr is not None
@@ -309,7 +310,7 @@ class Sender:
             pass
 
     # ---------------------------------------------------------------- completions
-    def on_wc(self, wc: Any, _arg: Any = None) -> None:
+    def on_wc(self, wc: WC, _arg: Any = None) -> None:
         """A send completion (the provider's ``WC``): the reactor's handler of every
         send work request."""
         entries = self.sq.complete(wc.wr_id)
@@ -335,7 +336,7 @@ class Sender:
             self.pump()
         e.port.maybe_closed()
 
-    def finish(self, op: Op, wc: Any, exc: BaseException | None) -> None:
+    def finish(self, op: Op, wc: WC | None, exc: BaseException | None) -> None:
         """Complete ``op``: ``wc`` None means an unsignaled success; ``exc`` a local error."""
         spool = self.spool
         if op.slot is not None:
@@ -374,7 +375,7 @@ class Sender:
         else:
             fut.set_result(None)
 
-    def _op_error(self, wc: Any) -> BaseException:
+    def _op_error(self, wc: WC) -> BaseException:
         """The exception for an op whose completion failed; fails the connection."""
         e = self.e
         err = completion_error(wc.status, vendor_err=wc.vendor_err, wr_id=wc.wr_id,

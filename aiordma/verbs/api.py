@@ -180,9 +180,29 @@ class MR(abc.ABC):
 
 
 class CompChannel(abc.ABC):
-    """A completion event channel with a pollable, non-blocking ``fd``."""
+    """A completion event channel with a pollable, non-blocking ``fd``.
+
+    *Manual progress* (``manual_progress`` True: the ``soft`` device): the provider
+    moves its bytes in the thread that consumes the channel. That thread calls
+    ``start_progress()`` once and then ``progress()`` whenever the fd it returned is
+    readable (and before it waits for a completion); without that the device's own
+    thread moves them, later. Devices that progress by themselves (RDMA hardware) have
+    ``manual_progress`` False and need neither call.
+    """
 
     fd: int
+    #: True where the consumer moves the device's bytes (``start_progress``/``progress``)
+    manual_progress: bool = False
+
+    def start_progress(self) -> int:
+        """Switch to manual progress driven by the calling thread; returns the fd that is
+        readable when ``progress()`` has work. Only where ``manual_progress``."""
+        raise NotImplementedError("this channel's device progresses by itself")
+
+    def progress(self, quiet: bool = False) -> int:
+        """Move the device's bytes (manual progress); returns how many sockets were
+        ready. Never blocks. Only where ``manual_progress``."""
+        raise NotImplementedError("this channel's device progresses by itself")
 
     @abc.abstractmethod
     def get_event(self) -> CQ | None:

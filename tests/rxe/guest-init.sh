@@ -138,6 +138,9 @@ export AIORDMA_PROVIDER=verbs
 . "$CTL/env.sh" || fail "cannot read $CTL/env.sh"      # AIORDMA_* etc. forwarded from the host
 export PYTHONPATH="$PROJECT${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
+# the guest is emulated (TCG, ~50x slower): an event loop can stall for seconds, longer
+# than the heartbeat's default allows
+export AIORDMA_LIVENESS_TIMEOUT="${AIORDMA_LIVENESS_TIMEOUT:-60}"
 export AIORDMA_RXE_GUEST=1 AIORDMA_RXE_RESULTS="$RESULTS" AIORDMA_RXE_DEVICE="$RXE_DEV" \
        AIORDMA_RXE_NETDEV="$nic" AIORDMA_RXE_ADDR="$ip4" AIORDMA_RXE_GID_INDEX="$gid_index"
 # Tests and examples connect over the address that carries the rxe GID (127.0.0.1 has none).

@@ -17,7 +17,7 @@ Modules (one reason to change each):
 * ``keys``      -- memory keys (a secret permutation per PD), random QP numbers
 * ``mr``        -- PD, MR and the lkey/rkey table
 * ``qpcore``    -- QP state shared by both halves: WQEs, completions, error flush
-* ``requester`` -- transmit, responses, RNR go-back-N, ACK timeout
+* ``requester`` -- transmit, responses, RNR go-back-N, the local ACK timer and retries
 * ``responder`` -- request execution (SEND/WRITE/READ/atomics), NAKs, coalesced ACKs
 * ``qp``        -- the public QP: modify state machine, post_send/post_recv, close
 * ``context``   -- the device context (queries, factories, async events)

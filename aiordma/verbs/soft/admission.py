@@ -9,7 +9,10 @@
   At most ``AIORDMA_SOFT_MAX_PENDING`` (default 128) are pending at once -- a new one
   drops the oldest (a legitimate HELLO travels with its connection and waits for
   microseconds, so a flood of silent connections evicts only its own kind) -- each for
-  at most ``AIORDMA_SOFT_HELLO_TIMEOUT`` seconds (default 2).
+  at most ``AIORDMA_SOFT_HELLO_TIMEOUT`` seconds (default 10: on a lossy link a HELLO
+  can need TCP's retransmission back-off -- a first segment lost three times in a row
+  arrives after 0.2 + 0.4 + 0.8 + 1.6 s -- and 2 s dropped one connection in ~20 at
+  10% loss).
 * **The HELLO** must carry a MAC made with the key of the QP it names (``QPAttr.auth_key``)
   over a nonce that QP has not seen. A failure -- bad magic or version, an unknown QP,
   a wrong MAC, a replayed nonce -- closes the socket without an answer; the MAC is
@@ -45,7 +48,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("aiordma.soft")
 
 DEFAULT_MAX_PENDING: Final = 128
-DEFAULT_HELLO_TIMEOUT_S: Final = 2.0
+DEFAULT_HELLO_TIMEOUT_S: Final = 10.0
 ACCEPT_BACKOFF_S: Final = (0.1, 2.0)  # first and longest pause after EMFILE/ENFILE
 _CRED: Final = struct.Struct("3i")
 
@@ -236,6 +239,17 @@ class Admission:
         return qp if qp._admit_nonce(nonce) else None
 
     def _expire(self, p: Pending) -> None:
+        if p in self.pending:
+            # What arrived is read first: this process may have been paused (SIGSTOP, a
+            # loaded machine) while the HELLO came, and its timers run late, maybe
+            # before the selector reports the socket readable. (Timers run with the
+            # device lock held; ``read`` takes it.)
+            lock = self.engine.lock
+            lock.release()
+            try:
+                self.read(p)
+            finally:
+                lock.acquire()
         if p in self.pending:
             self.timed_out += 1
             self.drop(p)

@@ -375,7 +375,6 @@ class Conn:
         if sock is None:
             return
         budget = READ_BUDGET
-        self.last_rx = time.monotonic()
         self._short = False  # a short read drained the socket: stop rather than hit EAGAIN
         try:
             while self.reading and self.state == OPEN:
@@ -432,6 +431,8 @@ class Conn:
         except OSError:
             self.fail()
             return
+        if budget != READ_BUDGET:  # bytes came in (the ACK timer's progress)
+            self.last_rx = time.monotonic()
         owner = self.owner
         if owner is not None and self.state == OPEN:
             owner.conn_batch_end(self)

@@ -55,6 +55,11 @@ _ARM_SOLICITED: Final = 2
 
 
 class SoftCompChannel(CompChannel):
+    """The soft device's completion channel: manual progress (``CompChannel``) is what
+    lets the event loop's own wake-up move the device's bytes."""
+
+    manual_progress = True
+
     def __init__(self, ctx: SoftContext) -> None:
         self._ctx = ctx
         self._lock = ctx._engine.lock

@@ -176,6 +176,7 @@ class SoftQP(Responder):
                     self._next_psn = attr.sq_psn & wire.PSN_MASK
                 self._timeout = attr.timeout
                 self._retry_cnt = attr.retry_cnt
+                self._retries_left = attr.retry_cnt
                 self._rnr_retry = attr.rnr_retry
                 self._state = QPState.RTS
                 self._pump()
@@ -190,6 +191,7 @@ class SoftQP(Responder):
         self._unsig = 0
         self._rnr_wait = False
         self._ack_armed = False
+        self._try_start = 0.0
         self._ack_pending = -1
         self._conn_wait = False
         self._auth_key = None

@@ -126,6 +126,11 @@ class QPCore(QP):
         self._rnr_wait = False
         self._ack_armed = False
         self._progress = 0.0
+        # local ACK timer (requester.py, Retries): when the current try began, retries
+        # left, and how many tries ended without progress in the QP's life
+        self._try_start = 0.0
+        self._retries_left = 7
+        self.local_ack_timeouts = 0
         self._ack_pending = -1
         self._conn_wait = False  # requests wait for the peer's connection (requester)
 

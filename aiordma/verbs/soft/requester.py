@@ -1,5 +1,16 @@
 """The requester half of a soft RC QP: transmit send WRs, handle responses, RNR back-off
-(go-back-N), the ACK timeout, and the requester connection's life.
+(go-back-N), the local ACK timer and its retries, and the requester connection's life.
+
+Retries (the QP's ``timeout`` and ``retry_cnt``, with their hardware meaning): one try
+of the local ACK timer lasts ``4.096 us * 2**timeout`` (``timeout`` 0: wait forever).
+A try that ends without any progress -- no response, and no byte of ours taken by or
+of the peer's read from the connection -- uses one retry; the next progress restores
+all ``retry_cnt`` of them. The try after the last retry ends the oldest outstanding WR
+with RETRY_EXC_ERR (so ``(retry_cnt + 1) * 4.096 us * 2**timeout`` without progress).
+Nothing is sent again on a retry: the stream underneath (TCP, or a Unix socket)
+retransmits lost segments itself, and a request resent on it would run twice. A
+connection that breaks (the peer's device closed it, or was killed) fails the QP's
+outstanding WRs at once with RETRY_EXC_ERR, as a NIC's retries into a dead port end.
 
 Methods run with the device lock held, on the caller's thread (``post_send``: the
 fast path writes straight to the socket) or on the NIC thread.
@@ -19,8 +30,10 @@ from .conn import CLOSING, CONNECTING, OPEN, Conn
 from .qpcore import SWQE, QPCore, scatter
 from .sink import Sink, discard
 
-#: floor of the ACK timeout: a Python peer can stall this long (GC, GIL) and still be alive
-MIN_ACK_TIMEOUT_S: Final = 1.0
+#: smallest ``timeout`` code a try honours (134 ms): the soft responder is a thread of
+#: the peer's process, which can stall (GIL, GC, a loaded machine) for tens of
+#: milliseconds where a NIC answers in microseconds; a smaller code acts as this one
+MIN_TIMEOUT_CODE: Final = 15
 #: how long requests wait for the connection the peer QP opens (wire: Connections)
 #: before this QP opens one itself
 PEER_CONNECT_WAIT_S: Final = 0.05
@@ -167,11 +180,10 @@ class Requester(QPCore):
             conn.send(bufs)
         self._arm_ack_timer()
 
-    # --- ACK timeout ---------------------------------------------------------------------
+    # --- local ACK timer (module docstring: Retries) ---------------------------------------
     def _ack_timeout_s(self) -> float | None:
-        if self._timeout == 0:
-            return None
-        return max(MIN_ACK_TIMEOUT_S, 4.096e-6 * (1 << self._timeout) * (self._retry_cnt + 1))
+        """One try of the local ACK timer, seconds; None: wait forever (timeout 0)."""
+        return local_ack_timeout_s(self._timeout)
 
     def _last_progress(self) -> float:
         conn = self._req_conn
@@ -187,7 +199,8 @@ class Requester(QPCore):
             return
         self._ack_armed = True
         gen = self._gen
-        self._engine.call_at(self._last_progress() + t, lambda: self._ack_check(gen))
+        start = max(self._last_progress(), self._try_start)
+        self._engine.call_at(start + t, lambda: self._ack_check(gen))
 
     def _ack_check(self, gen: int) -> None:
         if gen != self._gen:
@@ -203,12 +216,22 @@ class Requester(QPCore):
         now = time.monotonic()
         if self._rnr_wait:
             self._progress = now
-        deadline = self._last_progress() + t
-        if now >= deadline:
+        last = self._last_progress()
+        if last > self._try_start:  # progress since the last try began: all retries back
+            self._retries_left = self._retry_cnt
+        start = max(last, self._try_start)
+        if now < start + t:
+            self._ack_armed = True
+            self._engine.call_at(start + t, lambda: self._ack_check(gen))
+            return
+        if self._retries_left <= 0:
             self._fail_send(WCStatus.RETRY_EXC_ERR)
             return
+        self._retries_left -= 1  # a try without progress: the next one begins now
+        self.local_ack_timeouts += 1
+        self._try_start = now
         self._ack_armed = True
-        self._engine.call_at(deadline, lambda: self._ack_check(gen))
+        self._engine.call_at(now + t, lambda: self._ack_check(gen))
 
     # --- responses -----------------------------------------------------------------------
     def _on_response(self, conn: Conn, h: tuple[int, ...]) -> Sink | None:
@@ -301,6 +324,15 @@ class Requester(QPCore):
         self._rnr_wait = False
         self._progress = time.monotonic()
         self._pump()
+
+
+def local_ack_timeout_s(timeout: int) -> float | None:
+    """Seconds of one try of the local ACK timer for the QP attribute ``timeout``
+    (IBTA: 4.096 us * 2**timeout; codes below ``MIN_TIMEOUT_CODE`` act as it); None for
+    0 (wait forever)."""
+    if timeout == 0:
+        return None
+    return 4.096e-6 * (1 << max(timeout, MIN_TIMEOUT_CODE))
 
 
 def _cma_request(w: SWQE, bufs: list[bytes | memoryview], shm_only: bool) -> bool:
