@@ -130,7 +130,8 @@ test-wheel: setup
 ## Soft-RoCE VM tier (tests/rxe/README.md): the suite on real verbs (rdma_rxe) in a
 ## throw-away Debian VM under qemu. forky: rdma-core/pyverbs 65; bookworm: 44.
 # The provider-parametrised suite (the provider-independent tests ran in the fast tier):
-# the verbs layer, endpoints, EOF/close and the multi-process tests on both loops; the
+# the verbs layer (its compiled data path built in the guest, and required: the build
+# tests), endpoints, EOF/close and the multi-process tests on both loops; the
 # layers above the endpoint (Transports/Protocols, streams, the examples as separate
 # processes, one device shared by loops in threads, the aiordma command, the README's
 # code, the Dask backend with Debian's python3-distributed) on uvloop only -- they use
@@ -138,7 +139,8 @@ test-wheel: setup
 # (Both loops everywhere took 12 min of CI's ~31 on a slow host; `make test-rxe-all`
 # runs it.)
 RXE_TESTS ?= tests/test_verbs_provider.py tests/test_ibverbs_compat.py tests/test_endpoint.py \
-	tests/test_endpoint_eof.py tests/test_multiprocess.py
+	tests/test_endpoint_eof.py tests/test_multiprocess.py tests/test_ibverbs_fastpath.py \
+	tests/test_native.py
 RXE_TESTS_ONE_LOOP ?= tests/test_rdma_transport.py tests/test_streams.py \
 	tests/test_examples_protocols.py tests/test_device_threads.py tests/test_cli.py \
 	tests/test_docs.py tests/test_dask_comms.py tests/test_dask_cluster.py
@@ -166,7 +168,8 @@ test-rxe-bookworm:
 # the multi-process examples -- on uvloop (which loop drives it is not where 44 and 65
 # differ); `make test-rxe-bookworm` runs everything there.
 RXE_COMPAT_TESTS = tests/test_verbs_provider.py tests/test_ibverbs_compat.py \
-	tests/test_endpoint.py tests/test_multiprocess.py
+	tests/test_endpoint.py tests/test_multiprocess.py tests/test_ibverbs_fastpath.py \
+	tests/test_native.py
 test-rxe-compat:
 	AIORDMA_RXE_SUITE=bookworm bash tests/rxe/run-vm.sh -- $(RXE_PYTEST) $(RXE_UVLOOP) \
 		$(RXE_COMPAT_TESTS)

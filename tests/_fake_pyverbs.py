@@ -9,6 +9,7 @@ import errno
 import os
 import struct
 import types
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -378,7 +379,11 @@ def fake_pyverbs(devices: list[bytes] | None = None) -> Any:
 
 def install_fake(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     """A fake pyverbs installed in the provider; the async fd is a pipe (a test module's
-    ``fake`` fixture yields from this)."""
+    ``fake`` fixture yields from this). At teardown every context opened meanwhile and
+    left open is released (``IbvContext._release_all``) while the fake, its pipe and
+    any ``FakeVerbsABI`` memory still exist: a context dropped open would otherwise be
+    released by its finalizer whenever the GC collects it, through C pointers and fds
+    that are gone by then."""
     pv = fake_pyverbs()
     monkeypatch.setattr(loader, "_pyverbs", pv)
     monkeypatch.setitem(ibv_context._inline_cache, "rxe0", 256)
@@ -387,7 +392,20 @@ def install_fake(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     # the first call is before ibv_open_device, the second after it
     monkeypatch.setattr(compat, "event_fds", lambda proc_fd=None: next(calls, {}))
     pv.async_pipe = (r, w)
+    # (weak references: a test may drop a context for the GC to finalize)
+    opened: list[weakref.ref[ibv_context.IbvContext]] = []
+    init = ibv_context.IbvContext.__init__
+
+    def tracked_init(self: ibv_context.IbvContext, name: str) -> None:
+        opened.append(weakref.ref(self))
+        init(self, name)
+
+    monkeypatch.setattr(ibv_context.IbvContext, "__init__", tracked_init)
     yield pv
+    for ref in opened:
+        ctx = ref()
+        if ctx is not None and not getattr(ctx, "_closed", True):
+            ctx._release_all()
     for fd in (r, w):
         try:
             os.close(fd)

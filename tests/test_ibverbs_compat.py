@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import enum
 import errno
+import gc
 import mmap
 import os
 import socket
@@ -865,6 +866,31 @@ def test_poll_converts_and_frees_send_slots(fake: Any, poll_path: FakeVerbsABI |
         cq.poll()
     if poll_path is not None:
         assert poll_path.calls and all(n == 16 for _, n in poll_path.calls[:1])
+
+
+def test_a_context_dropped_open_destroys_its_objects_children_first(fake: Any) -> None:
+    """A program that drops an open context in a reference cycle (endpoints never
+    closed): the GC would destroy the pyverbs objects in any order; the context's
+    finalizer destroys them children first, acking the CQ events it got, so none is
+    destroyed after the device context (pyverbs: EBADF) or blocks (unacked events)."""
+    ctx, pd, ch, cq, rcq, qp = _qp_setup(fake, shared=False)
+    mr = pd.reg_mr(bytearray(64))
+    order: list[str] = []
+    for name, obj in (("qp", qp._qp), ("mr", mr._mr), ("cq", cq._cq), ("rcq", rcq._cq),
+                      ("channel", ch._cc), ("pd", pd._pd), ("context", ctx._ctx)):
+        obj.close = lambda name=name, close=obj.close: (order.append(name), close())[1]
+    fcq = cq._cq
+    ch._cc.push()
+    assert ch.get_event() is cq and fcq.num_events == 1  # got, never acknowledged
+    garbage: list[Any] = [ctx, pd, ch, cq, rcq, qp, mr]
+    garbage.append(garbage)
+    del ctx, pd, ch, cq, rcq, qp, mr, garbage
+    gc.collect()
+    assert sorted(order) == sorted(["qp", "mr", "cq", "rcq", "channel", "pd", "context"])
+    assert order[-1] == "context" and order.index("qp") < min(order.index("cq"),
+                                                              order.index("rcq"))
+    assert order.index("mr") < order.index("pd") and order.index("cq") < order.index("channel")
+    assert fcq.num_events == 0 and fcq.closed
 
 
 def test_completion_channel_events(fake: Any) -> None:

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ...errors import DeviceError, RDMAError
@@ -75,6 +77,7 @@ class IbvContext(Context):
         except BaseException:
             self._ctx.close()
             self._mem.close()
+            self._closed = True  # (nothing left for __del__ to release)
             raise
         log.debug("aiordma: opened %s (%s, context %#x, async fd %d, events through libibverbs %s)", name,
                   pv.describe(), self._ctx_ptr or 0, self._async_fd, self._reader is not None)
@@ -266,6 +269,38 @@ class IbvContext(Context):
 
     def get_async_events(self) -> list[AsyncEvent]:
         return self._read_async()
+
+    def __del__(self) -> None:
+        # A context dropped while open (a program that never closed its endpoints): as
+        # cyclic garbage, its pyverbs objects would be destroyed in whatever order the GC
+        # clears them, and one destroyed after the device context fails (EBADF: pyverbs
+        # prints it) or blocks (a CQ with unacknowledged events). Finalizers run while
+        # the garbage is still intact (PEP 442), so destroy them here, children first.
+        if not getattr(self, "_closed", True):
+            try:
+                self._release_all()
+            except Exception:  # (interpreter shutdown: nothing is left to report to)
+                pass
+
+    def _release_all(self) -> None:
+        """Destroy every object of this context still open, children first (QPs, MRs,
+        CQs with their events acknowledged, channels, PDs), then the context; failures
+        are logged at debug level (nobody is left to tell)."""
+        children = list(self._children)
+        steps: list[Callable[[], None]] = [qp.close for qp in list(self._qps.values())]
+        steps += [mr.close for pd in children if isinstance(pd, IbvPD) for mr in list(pd._mrs)]
+        for cq in children:
+            if isinstance(cq, IbvCQ):
+                steps += [functools.partial(cq.ack_events, cq._events_got - cq._events_acked),
+                          cq.close]
+        steps += [c.close for c in children if isinstance(c, IbvCompChannel)]
+        steps += [pd.close for pd in children if isinstance(pd, IbvPD)]
+        steps.append(self.close)
+        for step in steps:
+            try:
+                step()
+            except Exception as exc:
+                log.debug("aiordma: releasing %s: %s failed: %r", self.name, step, exc)
 
     def close(self) -> None:
         if self._closed:

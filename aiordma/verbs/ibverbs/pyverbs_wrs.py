@@ -53,19 +53,21 @@ def _cache_put(cache: dict[Key, Any], key: Key, p: Any, limit: int) -> None:
 
 
 class PyverbsWRs:
-    """The pyverbs work requests of one QP (``pv``: the ``Pyverbs`` modules; ``pqp``:
-    the pyverbs QP; ``max_recv``: its receive queue depth, the receive cache's size).
-    Posting happens on one thread (the event loop's)."""
+    """The pyverbs work requests of one QP (``pv``: the ``Pyverbs`` modules;
+    ``max_recv``: its receive queue depth, the receive cache's size); each post is
+    given the pyverbs QP (``pqp``), which this object does not keep: the QP stays
+    referenced by ``IbvQP`` alone, so that the order in which the cyclic GC destroys
+    pyverbs objects at exit stays that of the verbs objects. Posting happens on one
+    thread (the event loop's)."""
 
-    def __init__(self, pv: Any, pqp: Any, max_recv: int) -> None:
+    def __init__(self, pv: Any, max_recv: int) -> None:
         self._pv = pv
-        self._qp = pqp
         self._recv_limit = max(_WR_CACHE, max_recv)
         # (addr, length, lkey) -> pyverbs SendWR / RecvWR, see _new_send_wr
         self._send_wrs: dict[Key, Any] = {}
         self._recv_wrs: dict[Key, Any] = {}
 
-    def post_send_one(self, wr: SendWR, op: WROpcode) -> None:
+    def post_send_one(self, pqp: Any, wr: SendWR, op: WROpcode) -> None:
         """Post one WR with one SGE through the cached pyverbs WR of its SGE (no chain
         to build or free; inlined, as this runs for every message)."""
         s = wr.sg_list[0]
@@ -80,13 +82,13 @@ class PyverbsWRs:
             kind = _OP_KIND[op]
             if kind:  # (a plain SEND uses none of the other fields: no call)
                 _set_op_fields(p, wr, kind)
-            self._qp.post_send(p)
+            pqp.post_send(p)
         except self._pv.Error as exc:
             raise PostError(compat.errno_of(exc), f"ibv_post_send: {exc}") from None
         except OverflowError as exc:
             raise InvalidWorkRequest(f"a work request field is out of range: {exc}") from None
 
-    def post_send_chain(self, wrs: list[SendWR], ops: list[WROpcode]) -> None:
+    def post_send_chain(self, pqp: Any, wrs: list[SendWR], ops: list[WROpcode]) -> None:
         """Post ``wrs`` (``ops[i]``: the opcode of ``wrs[i]``) as one chain of new
         pyverbs WRs (an empty SGE list is posted as num_sge 0)."""
         pvwr = self._pv.wr
@@ -113,7 +115,7 @@ class PyverbsWRs:
                 if kind:
                     _set_op_fields(p, wr, kind)
                 head = p
-            self._qp.post_send(head)
+            pqp.post_send(head)
         except self._pv.Error as exc:
             raise PostError(compat.errno_of(exc), f"ibv_post_send: {exc}") from None
         except OverflowError as exc:
@@ -154,12 +156,12 @@ class PyverbsWRs:
         _cache_put(self._recv_wrs, key, p, self._recv_limit)
         return p
 
-    def post_recv_cached(self, wrs: list[RecvWR], posted: list[int]) -> None:
+    def post_recv_cached(self, pqp: Any, wrs: list[RecvWR], posted: list[int]) -> None:
         """Post one-SGE receives through their cached pyverbs WRs, one ibv_post_recv
         each (cheaper than building a chain of new objects), appending each posted
         wr_id to ``posted``. Like a chained post that fails at ``bad_wr``, the WRs
         before a failing one stay posted."""
-        post = self._qp.post_recv
+        post = pqp.post_recv
         cache = self._recv_wrs
         try:
             for wr in wrs:
@@ -177,7 +179,7 @@ class PyverbsWRs:
         except OverflowError as exc:
             raise InvalidWorkRequest(f"a work request field is out of range: {exc}") from None
 
-    def post_recv_chain(self, wrs: list[RecvWR]) -> None:
+    def post_recv_chain(self, pqp: Any, wrs: list[RecvWR]) -> None:
         """Post receives with any number of SGEs as one chain of new pyverbs WRs (freed
         after the post; an empty SGE list is posted as num_sge 0)."""
         pvwr = self._pv.wr
@@ -198,7 +200,7 @@ class PyverbsWRs:
                 if not wr.sg_list:
                     p.num_sge = 0
                 head = p
-            self._qp.post_recv(head)
+            pqp.post_recv(head)
         except self._pv.Error as exc:
             raise PostError(compat.errno_of(exc), f"ibv_post_recv: {exc}") from None
         except OverflowError as exc:

@@ -58,7 +58,7 @@ class IbvQP(QP):
         self.qp_num = int(pqp.qp_num)
         self._state = QPState.RESET
         self._queues = compat.WorkQueues(cap.max_send_wr, cap.max_recv_wr)
-        self._wrs = PyverbsWRs(self._pv, pqp, cap.max_recv_wr)
+        self._wrs = PyverbsWRs(self._pv, cap.max_recv_wr)
         self._fast: QPPoster | None = self._fast_poster()
         self._closed = False
         self._ctx._qps[self.qp_num] = self
@@ -229,9 +229,9 @@ class IbvQP(QP):
                 if rc:
                     raise _post_error("ibv_post_send", rc)
             elif len(wr.sg_list) == 1:
-                self._wrs.post_send_one(wr, op)
+                self._wrs.post_send_one(self._qp, wr, op)
             else:
-                self._wrs.post_send_chain(wrs, [op])
+                self._wrs.post_send_chain(self._qp, wrs, [op])
             sq.append((wr.wr_id & _M64, int(wr.send_flags) & _F_SIGNALED != 0,
                        WC_OPCODE_FOR_WR[op]))
         else:
@@ -243,7 +243,7 @@ class IbvQP(QP):
                     raise InvalidWorkRequest(
                         f"a work request field is out of range: {exc}") from None
             else:
-                self._wrs.post_send_chain(wrs, ops)
+                self._wrs.post_send_chain(self._qp, wrs, ops)
                 rc, posted = 0, n
             q.posted_send((wr.wr_id & _M64, int(wr.send_flags) & _F_SIGNALED != 0,
                            WC_OPCODE_FOR_WR[op])
@@ -281,11 +281,11 @@ class IbvQP(QP):
             # This runs for every re-posted buffer: the wr_ids are recorded once per call.
             posted_ids: list[int] = []
             try:
-                self._wrs.post_recv_cached(wrs, posted_ids)
+                self._wrs.post_recv_cached(self._qp, wrs, posted_ids)
             finally:
                 q.posted_recv(posted_ids)
         else:
-            self._wrs.post_recv_chain(wrs)
+            self._wrs.post_recv_chain(self._qp, wrs)
             q.posted_recv(wr.wr_id & _M64 for wr in wrs)
         if st == QPState.ERR:
             self._flush_posted()
