@@ -28,6 +28,7 @@ LAYERS: dict[str, int] = {
     "listener": 7,
     "transport": 8,
     "rdma_transport": 8,
+    "rdma_server": 8,
     "streams": 9,
     "dask": 10,  # the rdma:// backend of distributed, over the public API
     "__init__": 10,
