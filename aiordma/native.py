@@ -36,6 +36,7 @@ MODULES: tuple[str, ...] = (
     "aiordma.protocol.ops",
     "aiordma.protocol.state",
     "aiordma.cq_reactor",
+    "aiordma.spin_policy",
     "aiordma.protocol.sendq",
     "aiordma.memory",
     "aiordma.protocol.credits",

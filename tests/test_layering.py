@@ -19,6 +19,7 @@ LAYERS: dict[str, int] = {
     "options": 2,
     "acceptor": 2,
     "cq_reactor": 3,
+    "spin_policy": 2,
     "device": 4,
     "liveness": 4,
     "resources": 5,
