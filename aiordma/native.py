@@ -65,6 +65,7 @@ MODULES: tuple[str, ...] = (
     "aiordma.protocol.ops",
     "aiordma.protocol.state",
     "aiordma.cq_reactor",
+    "aiordma.spin_policy",
     "aiordma.protocol.sendq",
     "aiordma.memory",
     "aiordma.protocol.credits",
