@@ -134,7 +134,9 @@ def _fake_ucxx() -> types.ModuleType:
         state["current"] = w
         state["inits"].append((options, progress_mode))
 
-    async def create_endpoint_from_worker_address(addr: _Address) -> _Endpoint:
+    async def create_endpoint_from_worker_address(addr: _Address,
+                                                  endpoint_error_handling: bool) -> _Endpoint:
+        assert endpoint_error_handling is False  # shared memory has no peer-failure check
         peer = workers[addr.b]
         me = next(w for w in workers.values() if w is not peer)  # the other of the two
         return _Endpoint(me, peer)

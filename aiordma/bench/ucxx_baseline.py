@@ -103,6 +103,7 @@ def reason_from_probe(rc: int, stdout: str, stderr: str) -> str | None:
 def probe() -> dict[str, Any]:
     """Import ucxx, start UCX with ``ucx_options()`` on an event loop and list its
     active transports. Returns ``{"ok", "reason", "transports", "ucx"}``."""
+    quiet_ucx()
     try:
         import ucxx
     except Exception as exc:  # ImportError, or a library that fails to load
@@ -126,8 +127,15 @@ def probe() -> dict[str, Any]:
 
 
 # ======================================================================= shared
+def quiet_ucx() -> None:
+    """Keep UCX from warning about ``UCX_MEMTYPE_CACHE`` (which ucxx sets and this UCX
+    does not read): UCX logs to stdout, where the worker's ``READY`` line must come first."""
+    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+
+
 def _init(name: str) -> Any:
     """Start UCXX in this process (on the running loop) for baseline ``name``."""
+    quiet_ucx()
     import ucxx
 
     ucxx.init(options=ucx_options(), progress_mode=progress_mode(name))
@@ -136,7 +144,9 @@ def _init(name: str) -> Any:
 
 async def _endpoint(ucxx: Any, peer_hex: str) -> Any:
     addr = ucxx.get_ucx_address_from_buffer(bytes.fromhex(peer_hex))
-    return await ucxx.create_endpoint_from_worker_address(addr)
+    # UCX's shared-memory transports cannot detect a failed peer: with error handling
+    # (ucxx's default) no transport qualifies and UCX answers "Destination is unreachable"
+    return await ucxx.create_endpoint_from_worker_address(addr, endpoint_error_handling=False)
 
 
 def _array(size: int) -> Any:
