@@ -10,7 +10,7 @@ _NATIVE_SO = $(wildcard aiordma/*.so aiordma/*/*.so aiordma/*/*/*.so)
 _NATIVE_C = $(patsubst %.pyx,%.c,$(wildcard aiordma/*/*/*.pyx aiordma/*/*.pyx aiordma/*.pyx))
 
 
-.PHONY: bench-cost
+.PHONY: bench-cost bench-ucxx
 .PHONY: native native-prereqs clean-native test-native test-wheel results setup echo test test-fast test-net net-prereqs bench-net test-rxe test-rxe-all test-rxe-bookworm test-rxe-compat lint bench bench-rxe clean
 
 $(VENV)/.stamp: pyproject.toml
@@ -197,6 +197,20 @@ results: setup
 	$(PY) -m pip install -q -e '.[test,plot]'
 	$(PY) -m aiordma bench $(RESULTS_ARGS) --save docs/results/current.json --plot docs/results/current.png
 	$(PY) -m aiordma.bench.report docs/results/current.json --update README.md docs/benchmarks.md
+
+## The UCXX baselines (RAPIDS' UCX bindings over shared memory, polling and blocking
+## progress) beside aiordma and asyncio TCP. ucxx-cu12 and its libraries (about 85 MB)
+## go into a venv of their own, never into $(VENV).
+UCXX_VENV ?= build/ucxx-venv
+BENCH_UCXX_ARGS ?= --provider soft --tests send_lat,msg_rate --sizes 64,4K,1M --iters 1000 \
+	--max-seconds 2 --baselines tcp-proto,ucxx-poll,ucxx-block
+$(UCXX_VENV)/.stamp: pyproject.toml
+	$(PYTHON) -m venv $(UCXX_VENV)
+	$(UCXX_VENV)/bin/python -m pip install -q --upgrade pip 'setuptools>=77'
+	$(UCXX_VENV)/bin/python -m pip install -q -e '.[ucxx,uvloop]'
+	touch $@
+bench-ucxx: $(UCXX_VENV)/.stamp
+	$(UCXX_VENV)/bin/python -m aiordma bench $(BENCH_UCXX_ARGS)
 
 ## soft between two network namespaces against plain TCP on the same link, measured in
 ## the same run: clean, 10% loss, reordering, delay; a receiver paused 3 s (root; about 4
