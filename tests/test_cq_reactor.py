@@ -202,8 +202,11 @@ async def test_hybrid_goes_quiet_after_missed_spins_and_backs_off_further() -> N
     spins = st["spins"]
     r.poke()
     assert r.statistics()["spins"] == spins  # quiet
-    first = r.spin.backoff
-    await asyncio.sleep(first + 0.001)
+    assert r.spin.backoff == 5e-3  # the first quiet period is the shortest
+    # End the quiet period now, with a back-off long enough that the probe's miss falls
+    # inside it on a loaded machine too (a stall past it would start from the minimum).
+    first = r.spin.backoff = 0.2
+    r.spin.quiet_until = time.perf_counter()
     r.poke()  # the probe
     await _spin_ends(r)
     st = r.statistics()
