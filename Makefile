@@ -6,15 +6,17 @@ SIZES ?= 0,64,4K,1M,64M
 COUNT ?= 200
 
 _NATIVE_SO = $(wildcard aiordma/*.so aiordma/*/*.so aiordma/*/*/*.so)
+# what cythonize writes next to each .pyx
+_NATIVE_C = $(patsubst %.pyx,%.c,$(wildcard aiordma/*/*/*.pyx aiordma/*/*.pyx aiordma/*.pyx))
 
 
-.PHONY: bench-cost
+.PHONY: bench-cost bench-ucxx
 .PHONY: native native-prereqs clean-native test-native test-wheel results setup echo test test-fast test-net net-prereqs bench-net test-rxe test-rxe-all test-rxe-bookworm test-rxe-compat test-rxe-two lint bench bench-rxe clean
 
 $(VENV)/.stamp: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip 'setuptools>=77'
-	$(PY) -m pip install -q -e '.[test]'
+	AIORDMA_BUILD=python $(PY) -m pip install -q -e '.[test]'
 	touch $@
 
 # distributed's comm test module (tests/test_dask_comms.py runs its generic checks
@@ -51,10 +53,11 @@ net-prereqs:
 		$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq iproute2 iptables; \
 	fi
 
-## The test command (README, .ci/run): the fast tier, the two-host tier, the fast tier
-## again on the native (mypyc) build, the package as a user installs it, then the same
-## suite on real verbs (rdma_rxe) inside the Soft-RoCE VM: forky (pyverbs 65), then the
-## compat run on bookworm (44).
+## The test command (README, .ci/run): the fast tier (the pure-Python sources), the
+## two-host tier, the fast tier again on the native build (Cython extensions and mypyc),
+## the package as a user installs it, then the same suite on real verbs (rdma_rxe, the
+## Cython extensions built in the guest) inside the Soft-RoCE VM: forky (pyverbs 65),
+## then the compat run on bookworm (44).
 test: test-fast test-net test-native test-wheel test-rxe test-rxe-compat
 
 lint: setup
@@ -64,36 +67,46 @@ lint: setup
 clean: clean-native
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
 
-## Optional native build (setup.py): the hot path compiled with mypyc, in place; Python
-## imports the extensions instead of the sources until `make clean-native`.
-# A C compiler and the headers of the venv's Python; installed with apt-get when missing.
+## The native build (setup.py), in place: the Cython extensions (aiordma.native.EXTENSIONS:
+## the verbs data path through libibverbs) and the modules mypyc compiles
+## (aiordma.native.MODULES). Python imports the extensions instead of the sources until
+## `make clean-native`. (`make setup` installs the pure sources; a plain `pip install`
+## builds the Cython extensions where it can.)
+# A C compiler, the headers of the venv's Python and rdma-core's (libibverbs-dev);
+# installed with apt-get when missing.
 native-prereqs:
-	@if ! command -v cc >/dev/null 2>&1 || ! $(PYTHON) -c 'import os, sys, sysconfig; \
+	@if ! command -v cc >/dev/null 2>&1 || [ ! -e /usr/include/infiniband/verbs.h ] \
+		|| ! $(PYTHON) -c 'import os, sys, sysconfig; \
 		sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))'; then \
-		command -v apt-get >/dev/null 2>&1 || { echo "make native: needs a C compiler and Python's headers"; exit 1; }; \
+		command -v apt-get >/dev/null 2>&1 || { echo "make native: needs a C compiler, Python's headers and rdma-core's (libibverbs-dev)"; exit 1; }; \
 		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
-		$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq gcc python3-dev; \
+		$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq gcc python3-dev libibverbs-dev; \
 	fi
 
-# Compile aiordma.native.MODULES in place, in the current directory's tree.
-BUILD_NATIVE = AIORDMA_MYPYC=1 $(abspath $(PY)) setup.py -q build_ext --inplace
+# Compile every extension (AIORDMA_BUILD=compiled: one that cannot be built fails the
+# build) in place, in the current directory's tree.
+BUILD_NATIVE = AIORDMA_BUILD=compiled AIORDMA_MYPYC=1 $(abspath $(PY)) setup.py -q build_ext --inplace
+# what `aiordma.native.build()` must report on the native build
+NATIVE_TAGS = mypyc,verbs
 
 native: setup native-prereqs
 	$(BUILD_NATIVE)
-	$(PY) -c "import aiordma.native as n; b = n.build(); print('aiordma build:', b); raise SystemExit(b != 'mypyc')"
+	$(PY) -c "import aiordma.native as n; b = n.build(); print('aiordma build:', b); \
+		raise SystemExit(not set('$(NATIVE_TAGS)'.split(',')) <= b.tags)"
 
 clean-native:
-	rm -rf build $(_NATIVE_SO)
+	rm -rf build $(_NATIVE_SO) aiordma/_build.json $(_NATIVE_C)
 
 ## The fast tier on the native build, in a copy of the working tree (build/native-tree)
 ## so that this tree stays as it is; lint ran in test-fast.
 NATIVE_TREE := build/native-tree
 test-native: setup native-prereqs
 	rm -rf $(NATIVE_TREE) && mkdir -p $(NATIVE_TREE)
-	tar --exclude=./.venv --exclude=./.git --exclude=./build --exclude='*.so' -cf - . \
+	tar --exclude=./.venv --exclude=./.git --exclude=./build --exclude='*.so' \
+		--exclude=./aiordma/_build.json -cf - . \
 		| tar -xf - -C $(NATIVE_TREE)
 	cd $(NATIVE_TREE) && $(BUILD_NATIVE) >build.log 2>&1 || { tail -50 build.log; exit 1; }
-	cd $(NATIVE_TREE) && AIORDMA_PROVIDER=soft AIORDMA_EXPECT_BUILD=mypyc \
+	cd $(NATIVE_TREE) && AIORDMA_PROVIDER=soft AIORDMA_EXPECT_BUILD=$(NATIVE_TAGS) \
 		AIORDMA_DISTRIBUTED_TESTS=$(abspath $(DIST_TESTS)) \
 		$(abspath $(PY)) -m pytest -q -p no:cacheprovider -m "not lint and not netns"
 
@@ -117,7 +130,8 @@ test-wheel: setup
 ## Soft-RoCE VM tier (tests/rxe/README.md): the suite on real verbs (rdma_rxe) in a
 ## throw-away Debian VM under qemu. forky: rdma-core/pyverbs 65; bookworm: 44.
 # The provider-parametrised suite (the provider-independent tests ran in the fast tier):
-# the verbs layer, endpoints, EOF/close and the multi-process tests on both loops; the
+# the verbs layer (its compiled data path built in the guest, and required: the build
+# tests), endpoints, EOF/close and the multi-process tests on both loops; the
 # layers above the endpoint (Transports/Protocols, streams, the examples as separate
 # processes, one device shared by loops in threads, the aiordma command, the README's
 # code, the Dask backend with Debian's python3-distributed) on uvloop only -- they use
@@ -125,7 +139,8 @@ test-wheel: setup
 # (Both loops everywhere took 12 min of CI's ~31 on a slow host; `make test-rxe-all`
 # runs it.)
 RXE_TESTS ?= tests/test_verbs_provider.py tests/test_ibverbs_compat.py tests/test_endpoint.py \
-	tests/test_endpoint_eof.py tests/test_multiprocess.py
+	tests/test_endpoint_eof.py tests/test_multiprocess.py tests/test_ibverbs_fastpath.py \
+	tests/test_native.py
 RXE_TESTS_ONE_LOOP ?= tests/test_rdma_transport.py tests/test_streams.py \
 	tests/test_examples_protocols.py tests/test_device_threads.py tests/test_cli.py \
 	tests/test_docs.py tests/test_dask_comms.py tests/test_dask_cluster.py
@@ -153,7 +168,8 @@ test-rxe-bookworm:
 # the multi-process examples -- on uvloop (which loop drives it is not where 44 and 65
 # differ); `make test-rxe-bookworm` runs everything there.
 RXE_COMPAT_TESTS = tests/test_verbs_provider.py tests/test_ibverbs_compat.py \
-	tests/test_endpoint.py tests/test_multiprocess.py
+	tests/test_endpoint.py tests/test_multiprocess.py tests/test_ibverbs_fastpath.py \
+	tests/test_native.py
 test-rxe-compat:
 	AIORDMA_RXE_SUITE=bookworm bash tests/rxe/run-vm.sh -- $(RXE_PYTEST) $(RXE_UVLOOP) \
 		$(RXE_COMPAT_TESTS)
@@ -190,6 +206,20 @@ results: setup
 	$(PY) -m pip install -q -e '.[test,plot]'
 	$(PY) -m aiordma bench $(RESULTS_ARGS) --save docs/results/current.json --plot docs/results/current.png
 	$(PY) -m aiordma.bench.report docs/results/current.json --update README.md docs/benchmarks.md
+
+## The UCXX baselines (RAPIDS' UCX bindings over shared memory, polling and blocking
+## progress) beside aiordma and asyncio TCP. ucxx-cu12 and its libraries (about 85 MB)
+## go into a venv of their own, never into $(VENV).
+UCXX_VENV ?= build/ucxx-venv
+BENCH_UCXX_ARGS ?= --provider soft --tests send_lat,msg_rate --sizes 64,4K,1M --iters 1000 \
+	--max-seconds 2 --baselines tcp-proto,ucxx-poll,ucxx-block
+$(UCXX_VENV)/.stamp: pyproject.toml
+	$(PYTHON) -m venv $(UCXX_VENV)
+	$(UCXX_VENV)/bin/python -m pip install -q --upgrade pip 'setuptools>=77'
+	$(UCXX_VENV)/bin/python -m pip install -q -e '.[ucxx,uvloop]'
+	touch $@
+bench-ucxx: $(UCXX_VENV)/.stamp
+	$(UCXX_VENV)/bin/python -m aiordma bench $(BENCH_UCXX_ARGS)
 
 ## soft between two network namespaces against plain TCP on the same link, measured in
 ## the same run: clean, 10% loss, reordering, delay; a receiver paused 3 s (root; about 4

@@ -38,25 +38,9 @@ Poll policy (``AIORDMA_POLL_MODE``, ``AIORDMA_SPIN_US``):
   is lost. The spin costs CPU only for ``spin_us`` after the last activity. The
   spin must outlast the peer's turnaround to save its wake-up.
 
-  The spin adapts; it goes *quiet* (behaves as ``blocking``) for a back-off time when
-
-  - it was **preempted**: a gap of more than ``_PREEMPT_GAP_S`` between two spin ticks
-    makes it read the thread's CPU time (``time.thread_time``). A spinning thread never
-    sleeps, so wall time minus CPU time is time it waited for a core ("stolen"). Summed
-    over the spin time since the last quiet period (both sums halved whenever the spin
-    time passes ``_WINDOW_S``), stolen time above ``_STOLEN_MIN_S`` and above
-    ``_STOLEN_SHARE`` of the spin time means the cores are oversubscribed: a spinner
-    then holds a core that someone (often its peer, or the process that will answer it)
-    is waiting for (the contention cliff below). The occasional preemption by a kernel
-    thread on free cores stays below the share;
-  - it **missed** ``_MISS_LIMIT`` times in a row: spins that ran out their budget
-    without a completion arriving. Either the peer answers slower than the budget, and
-    every spin is wasted CPU, or the peer cannot answer *because* of the spin: it waits
-    for the core the spinner holds (the spinner is not preempted, the peer starves).
-
-  The back-off starts at ``_BACKOFF_MIN_S`` and doubles (up to ``_BACKOFF_MAX_S``) while
-  the first spin after a quiet period is preempted or misses again (within one back-off
-  of its end); a later one starts from the minimum again. ``statistics()`` counts
+  The spin adapts (``spin_policy.SpinGovernor``): it goes *quiet* (behaves as
+  ``blocking``) for a back-off time when it was preempted (the cores are
+  oversubscribed) or missed ``MISS_LIMIT`` times in a row. ``statistics()`` counts
   ``spin_preempted``, ``spin_missed`` and ``quiet_periods``.
 
   Why it is the default: on free cores it saves the wake-up of a sleeping process,
@@ -82,7 +66,7 @@ Poll policy (``AIORDMA_POLL_MODE``, ``AIORDMA_SPIN_US``):
   marker callback scheduled with the first hold notes each iteration; the handlers a
   poll dispatched finish first); past that, tasks suspend as usual until the loop has
   turned. A wait that runs out its whole budget is a miss, counted as in
-  ``hybrid``: ``_MISS_LIMIT`` in a row make the waits quiet for a back-off (the peer
+  ``hybrid``: ``MISS_LIMIT`` in a row make the waits quiet for a back-off (the peer
   answers slower than the budget, or it shares this process's loop and cannot answer
   while the loop is held). A CQ with manual progress (``soft``) has its bytes moved
   first, as the poll loop does. Never from inside a dispatch (an eager task started
@@ -107,6 +91,7 @@ from collections.abc import Callable
 from typing import Any, ClassVar, Final, TypeVar
 
 from .errors import CQOverrunError, RDMAError, completion_error
+from .spin_policy import PREEMPT_GAP_S, SpinGovernor
 from .verbs import CQ, WC, CompChannel, Context, WCStatus
 
 Handler = Callable[[WC, Any], None]
@@ -116,14 +101,6 @@ MODES: Final = ("blocking", "hybrid", "polling")
 DEFAULT_MODE: Final = "hybrid"
 DEFAULT_SPIN_US: Final = 300
 _POLL_BATCH: Final = 32
-# hybrid's adaptive spin (see the module docstring)
-_PREEMPT_GAP_S: Final = 100e-6
-_MISS_LIMIT: Final = 8
-_BACKOFF_MIN_S: Final = 5e-3
-_BACKOFF_MAX_S: Final = 0.5
-_STOLEN_MIN_S: Final = 500e-6
-_STOLEN_SHARE: Final = 0.1
-_WINDOW_S: Final = 0.05
 _ACK_BATCH: Final = 64
 
 
@@ -204,14 +181,7 @@ class CQReactor:
         self._spin_deadline = 0.0
         self._spin_last = 0.0  # time of the spin's last tick
         self._spin_hit = False  # a completion arrived during this spin
-        self._spin_cpu = 0.0  # thread CPU time at the last preemption check
-        self._spin_wall = 0.0  # and wall time then
-        self._stolen_sum = 0.0  # time spent waiting for a core while spinning
-        self._spun_sum = 0.0  # time spent spinning (both since the last quiet period)
-        self._spin_misses = 0  # spins in a row that ran out without a completion
-        self._quiet_until = float("-inf")  # hybrid does not spin before this time
-        self._backoff = _BACKOFF_MIN_S
-        self.thread_time: Callable[[], float] = time.thread_time
+        self.spin = SpinGovernor()  # when the spin (and the in-place wait) goes quiet
         self._expedite = False
         self._dispatching = False  # a dispatch is on the stack (no in-place poll then)
         self.in_place = False  # polling mode, a spin budget and a CQ to poll in place
@@ -225,7 +195,6 @@ class CQReactor:
         self.spins = 0
         self.spin_preempted = 0
         self.spin_missed = 0
-        self.quiet_periods = 0
         self.polls = 0
         self.arms = 0
         self.completions = 0
@@ -376,7 +345,7 @@ class CQReactor:
         hybrid = self.mode == "hybrid" and self.spin_us > 0
         polling = self.mode == "polling"
         if not (slot.progress is None and (
-                polling or (hybrid and time.perf_counter() >= self._quiet_until))):
+                polling or (hybrid and time.perf_counter() >= self.spin.quiet_until))):
             self._arm(slot)  # (else it stays disarmed: the spin or the poll loop polls it,
             #                   and _arm_idle arms it when that ends)
         self._drain(slot, until_empty=False)
@@ -476,7 +445,7 @@ class CQReactor:
         if not self.in_place or self.suspended or self._dispatching or self._closed:
             return False
         now = time.perf_counter()
-        if now < self._quiet_until:
+        if now < self.spin.quiet_until:
             return False
         budget = self.spin_us * 1e-6
         held = self._held_since
@@ -497,13 +466,13 @@ class CQReactor:
                 drain(slot, False)  # a short batch: look at fut before polling again
             if fut.done():
                 self.in_place_hits += 1
-                self._spin_misses = 0
+                self.spin.hit()
                 return True
             if self._closed or time.perf_counter() >= deadline:
                 break
         if whole:  # it ran out its whole budget: a miss
             self.in_place_missed += 1
-            self._missed(time.perf_counter())
+            self.spin.missed(time.perf_counter())
         return False
 
     def _loop_turned(self) -> None:
@@ -512,15 +481,14 @@ class CQReactor:
     def _spin_from_now(self) -> None:
         """hybrid: keep the loop polling for ``spin_us`` from now (unless quiet)."""
         now = time.perf_counter()
-        if now < self._quiet_until:
+        if now < self.spin.quiet_until:
             return
         self._spin_deadline = now + self.spin_us * 1e-6
         if not self._spin_scheduled and not self._closed:
             self._spin_scheduled = True
             self._spin_last = now
             self._spin_hit = False
-            self._spin_wall = now
-            self._spin_cpu = self.thread_time()
+            self.spin.start(now)
             self.spins += 1
             self.loop.call_soon(self._spin_tick)
 
@@ -529,9 +497,9 @@ class CQReactor:
         if self._closed:
             return
         now = time.perf_counter()
-        if now - self._spin_last > _PREEMPT_GAP_S and self._preempted(now):
+        if now - self._spin_last > PREEMPT_GAP_S and self.spin.preempted(now):
             self.spin_preempted += 1
-            self._go_quiet(now)
+            self.spin.go_quiet(now)
             self._arm_idle()
             return
         found = 0
@@ -551,47 +519,10 @@ class CQReactor:
             self._spin_scheduled = True
             self.loop.call_soon(self._spin_tick)
         elif self._spin_hit:
-            self._spin_misses = 0
+            self.spin.hit()
         else:
             self.spin_missed += 1
-            self._missed(now)
-
-    def _missed(self, now: float) -> None:
-        """A spin, or an in-place wait, ran out its whole budget without the completion
-        it waited for: the ``_MISS_LIMIT``-th in a row goes quiet (``_go_quiet``); a hit
-        resets the count."""
-        self._spin_misses += 1
-        if self._spin_misses >= _MISS_LIMIT:
-            self._spin_misses = _MISS_LIMIT - 1  # the probe after the quiet decides
-            self._go_quiet(now)
-
-    def _preempted(self, now: float) -> bool:
-        """Has this thread waited for a core for a large share of its recent spinning
-        (see the module docstring)? Moves the check's baseline to now."""
-        cpu = self.thread_time()
-        wall = now - self._spin_wall
-        stolen = self._stolen_sum + wall - (cpu - self._spin_cpu)
-        spun = self._spun_sum + wall
-        self._spin_wall = now
-        self._spin_cpu = cpu
-        if spun > _WINDOW_S:
-            spun *= 0.5
-            stolen *= 0.5
-        self._spun_sum = spun
-        self._stolen_sum = stolen
-        return stolen > _STOLEN_MIN_S and stolen > _STOLEN_SHARE * spun
-
-    def _go_quiet(self, now: float) -> None:
-        """Stop spinning until ``now`` + the back-off: doubled when the last quiet
-        period ended less than one back-off ago (the probe after it failed too), the
-        minimum again otherwise."""
-        if now - self._quiet_until < self._backoff:
-            self._backoff = min(self._backoff * 2, _BACKOFF_MAX_S)
-        else:
-            self._backoff = _BACKOFF_MIN_S
-        self._quiet_until = now + self._backoff
-        self._stolen_sum = self._spun_sum = 0.0
-        self.quiet_periods += 1
+            self.spin.missed(now)
 
     def _schedule_poll(self) -> None:
         if not self._poll_scheduled and not self._closed:
@@ -651,7 +582,7 @@ class CQReactor:
             "spin_hits": self.spin_hits,
             "spin_preempted": self.spin_preempted,
             "spin_missed": self.spin_missed,
-            "quiet_periods": self.quiet_periods,
+            "quiet_periods": self.spin.quiet_periods,
             "polls": self.polls,
             "arms": self.arms,
             "completions": self.completions,

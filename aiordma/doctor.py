@@ -4,7 +4,7 @@
 
 Reports, one finding a line, each tagged ``ok``, ``info``, ``warn`` or ``FAIL``:
 
-* the aiordma version, build (``python``/``mypyc``) and Python;
+* the aiordma version, build (``aiordma.native.build()``) and Python;
 * every provider and whether it is available (``verbs`` needs pyverbs), with the reason
   when it is not;
 * every device: its ports' state, link layer, active and maximum MTU in bytes, and

@@ -1,12 +1,29 @@
-"""The optional native build (``make native``, see setup.py): which modules of the hot
-path are compiled with mypyc, whether this process runs them, and the class decorator
-that tells mypyc how to compile a class (a no-op where mypy_extensions is absent).
+"""The compiled build (setup.py): what is compiled, with which compiler, and what this
+process runs.
+
+* ``EXTENSIONS`` -- Cython modules: C code on C data (``.pyx``/``.pxd`` files in the
+  package). ``setup.py`` builds them by default (``pip install``, ``make native``) where
+  a C compiler, Cython and the C headers each one needs are found; one left out leaves
+  its pure-Python path in charge, and the build records why (``BUILD_INFO``).
+* ``MODULES`` -- Python modules of the per-message path compiled as they are by mypyc
+  (``make native``, ``AIORDMA_MYPYC=1``; not by default: building needs mypy). mypyc
+  uses the type hints to compile classes and attribute access; it measured about half
+  the instructions per message of the pure sources, where Cython compiling the same
+  Python modules measured no gain (docs/history/compilers-2026-12-01.json). Cython serves
+  where the code is written for C.
+
+``build()`` says which compiled pieces this process runs and why the others do not;
+``mypyc_attr`` tells mypyc how to compile a class (a no-op where mypy_extensions is
+absent).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.machinery
+import importlib.util
+import json
 import os
 import warnings
 from typing import TYPE_CHECKING, Final
@@ -22,10 +39,22 @@ else:
             return lambda cls: cls
 
 
-__all__ = ["mypyc_attr", "MODULES", "compiled_modules", "build", "stale_modules",
-           "warn_if_stale"]
+__all__ = ["mypyc_attr", "MODULES", "EXTENSIONS", "Build", "compiled_modules", "build",
+           "stale_modules", "warn_if_stale"]
 
-#: the modules ``make native`` compiles (setup.py reads this list)
+#: The Cython extension modules setup.py builds, as ``(tag, module, C headers it
+#: needs)``: the source is the module's ``.pyx`` (its ``.pxd`` beside it); ``tag`` names
+#: it in ``build()``. Add a module here to build it; setup.py reads this literal.
+EXTENSIONS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    # the verbs provider's posts and polls through libibverbs (verbs/ibverbs/fastpath.pyx)
+    ("verbs", "aiordma.verbs.ibverbs.fastpath", ("infiniband/verbs.h",)),
+)
+
+#: What setup.py's last build of this tree compiled and left out, and why: a JSON file
+#: in the package, ``{"extensions": {module: "" or why it was left out}}``.
+BUILD_INFO: Final = "_build.json"
+
+#: the modules mypyc compiles (``make native``; setup.py reads this literal)
 MODULES: tuple[str, ...] = (
     "aiordma.endpoint",
     "aiordma.resources",
@@ -36,6 +65,7 @@ MODULES: tuple[str, ...] = (
     "aiordma.protocol.ops",
     "aiordma.protocol.state",
     "aiordma.cq_reactor",
+    "aiordma.spin_policy",
     "aiordma.protocol.sendq",
     "aiordma.memory",
     "aiordma.protocol.credits",
@@ -64,11 +94,80 @@ def compiled_modules() -> list[str]:
     return out
 
 
-def build() -> str:
-    """``"mypyc"`` when every module of ``MODULES`` runs compiled, ``"python"`` when
-    none does, ``"mixed"`` otherwise (a partial or stale build)."""
+def _modules_build() -> str:
     n = len(compiled_modules())
     return "mypyc" if n == len(MODULES) else "python" if n == 0 else "mixed"
+
+
+@dataclasses.dataclass(frozen=True)
+class Build:
+    """What this process runs compiled.
+
+    ``modules``: how ``MODULES`` run -- ``"mypyc"`` (all compiled), ``"python"`` (none)
+    or ``"mixed"`` (a partial or stale build). ``extensions``: per ``EXTENSIONS`` tag,
+    ``""`` when the compiled module is imported, else why not. ``tags`` holds
+    ``modules`` and the tags of the compiled extensions (what a test run that requires
+    a build names)."""
+
+    modules: str
+    extensions: dict[str, str]
+
+    @property
+    def tags(self) -> frozenset[str]:
+        return frozenset({self.modules} | {t for t, why in self.extensions.items() if not why})
+
+    @property
+    def label(self) -> str:
+        """Short: ``modules`` and the compiled extensions' tags, e.g. ``mypyc+verbs``."""
+        return "+".join([self.modules] + [t for t, why in self.extensions.items() if not why])
+
+    def compiled(self, tag: str) -> bool:
+        """Whether the extension ``tag`` runs compiled."""
+        return self.extensions.get(tag) == ""
+
+    def __str__(self) -> str:
+        parts = [self.modules] + [f"{tag}: {'compiled' if not why else why}"
+                                  for tag, why in self.extensions.items()]
+        return "; ".join(parts)
+
+
+def _build_info(root: str) -> dict[str, str]:
+    """``BUILD_INFO``'s ``extensions`` (empty when there is none or it is unreadable)."""
+    try:
+        with open(os.path.join(root, "aiordma", BUILD_INFO)) as f:
+            got = json.load(f).get("extensions", {})
+    except (OSError, ValueError, AttributeError):
+        return {}
+    return {str(k): str(v) for k, v in got.items()} if isinstance(got, dict) else {}
+
+
+def extension_status(module: str, root: str | None = None) -> str:
+    """``""`` when the Cython extension ``module`` imports as a compiled module, else
+    why not: left out by the build (its reason), not built, or failing to import."""
+    root = root or _root()
+    spec = importlib.util.find_spec(module)
+    if spec is None or not (spec.origin or "").endswith(
+            tuple(importlib.machinery.EXTENSION_SUFFIXES)):
+        why = _build_info(root).get(module)
+        if why:
+            return f"not compiled: {why}"
+        return ("not compiled (no build of this tree: make native, or pip install with a C "
+                "compiler)")
+    try:
+        importlib.import_module(module)
+    except ImportError as exc:
+        return f"compiled but not importable: {exc}"
+    return ""
+
+
+def build() -> Build:
+    """What this process runs compiled (``Build``); imports the compiled modules."""
+    return Build(_modules_build(), {tag: extension_status(mod) for tag, mod, _ in EXTENSIONS})
+
+
+def _root() -> str:
+    """The directory that holds the ``aiordma`` package."""
+    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 #: the shared library of the compiled modules (setup.py's mypyc group name)
@@ -91,12 +190,13 @@ def _extension_mtime(base: str) -> float | None:
 
 
 def stale_modules(root: str | None = None) -> list[str]:
-    """The modules of ``MODULES`` whose compiled extension, next to the source where
-    ``make native`` leaves it, is older than the source: Python imports the extension,
-    so the process would run the code of before the edit. ``root`` is the directory
-    that holds the ``aiordma`` package (default: this one's). Imports nothing."""
+    """The modules of ``MODULES`` and ``EXTENSIONS`` whose compiled extension, next to
+    the source where the build leaves it, is older than the source (``.py``, or ``.pyx``
+    and ``.pxd``): Python imports the extension, so the process would run the code of
+    before the edit. ``root`` is the directory that holds the ``aiordma`` package
+    (default: this one's). Imports nothing."""
     if root is None:
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        root = _root()
     # Each module's extension is a small shim that mypyc's build leaves alone when it did
     # not change; the compiled code itself is in the group's shared library (setup.py).
     built = _extension_mtime(os.path.join(root, *SHARED_LIB.split("."))) or 0.0
@@ -112,7 +212,22 @@ def stale_modules(root: str | None = None) -> list[str]:
             continue
         if src_mtime - max(ext_mtime, built) > STALE_AFTER_S:
             out.append(name)
+    for _tag, name, _headers in EXTENSIONS:
+        base = os.path.join(root, *name.split("."))
+        ext_mtime = _extension_mtime(base)
+        if ext_mtime is None:
+            continue
+        srcs = [m for m in (_mtime(base + ".pyx"), _mtime(base + ".pxd")) if m is not None]
+        if srcs and max(srcs) - ext_mtime > STALE_AFTER_S:
+            out.append(name)
     return out
+
+
+def _mtime(path: str) -> float | None:
+    try:
+        return os.path.getmtime(path)
+    except OSError:
+        return None
 
 
 def warn_if_stale(root: str | None = None) -> list[str]:

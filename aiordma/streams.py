@@ -14,7 +14,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from .rdma_transport import RDMAServer, create_connection, create_server
+from .rdma_server import RDMAServer, create_connection, create_server
 
 _DEFAULT_LIMIT = 2 ** 16  # 64 KiB, as asyncio.streams
 

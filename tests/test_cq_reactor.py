@@ -15,8 +15,9 @@ from typing import Any
 import pytest
 
 from aiordma.bench.fakecq import FakeCQ, FakeCtx
-from aiordma.cq_reactor import _MISS_LIMIT, CQReactor, future_handler, poll_settings
+from aiordma.cq_reactor import CQReactor, future_handler, poll_settings
 from aiordma.errors import RemoteAccessError
+from aiordma.spin_policy import MISS_LIMIT as _MISS_LIMIT
 from aiordma.verbs import WC, WCOpcode, WCStatus
 
 
@@ -141,7 +142,7 @@ async def test_hybrid_goes_quiet_when_its_spin_waits_for_a_core() -> None:
     r = CQReactor(FakeCtx(), loop, mode="hybrid", spin_us=1_000_000)  # type: ignore[arg-type]
     r.acquire_cq(8)
     frozen = time.thread_time()
-    r.thread_time = lambda: frozen
+    r.spin.thread_time = lambda: frozen
     r.poke()
     assert r.statistics()["spins"] == 1
     await asyncio.sleep(0)
@@ -152,7 +153,7 @@ async def test_hybrid_goes_quiet_when_its_spin_waits_for_a_core() -> None:
     r.poke()  # quiet: no new spin
     assert r.statistics()["spins"] == 1 and not r._spin_scheduled
     await asyncio.sleep(0.02)  # past the first back-off (5 ms)
-    r.thread_time = time.thread_time
+    r.spin.thread_time = time.thread_time
     r.poke()
     assert r.statistics()["spins"] == 2 and r._spin_scheduled
     r.close()
@@ -164,7 +165,7 @@ async def test_hybrid_keeps_spinning_through_gaps_that_used_the_cpu() -> None:
     loop = asyncio.get_running_loop()
     r = CQReactor(FakeCtx(), loop, mode="hybrid", spin_us=1_000_000)  # type: ignore[arg-type]
     cq: FakeCQ = r.acquire_cq(8)  # type: ignore[assignment]
-    r.thread_time = time.perf_counter  # every second of wall time was CPU time
+    r.spin.thread_time = time.perf_counter  # every second of wall time was CPU time
     r.poke()
     for _ in range(3):
         await asyncio.sleep(0)
@@ -183,7 +184,7 @@ async def test_hybrid_goes_quiet_after_missed_spins_and_backs_off_further() -> N
     loop = asyncio.get_running_loop()
     r = CQReactor(FakeCtx(), loop, mode="hybrid", spin_us=200)  # type: ignore[arg-type]
     cq: FakeCQ = r.acquire_cq(8)  # type: ignore[assignment]
-    r.thread_time = time.perf_counter  # no stolen time: only misses count here
+    r.spin.thread_time = time.perf_counter  # no stolen time: only misses count here
     for _ in range(_MISS_LIMIT - 1):
         r.poke()
         await _spin_ends(r)
@@ -201,13 +202,16 @@ async def test_hybrid_goes_quiet_after_missed_spins_and_backs_off_further() -> N
     spins = st["spins"]
     r.poke()
     assert r.statistics()["spins"] == spins  # quiet
-    first = r._backoff
-    await asyncio.sleep(first + 0.001)
+    assert r.spin.backoff == 5e-3  # the first quiet period is the shortest
+    # End the quiet period now, with a back-off long enough that the probe's miss falls
+    # inside it on a loaded machine too (a stall past it would start from the minimum).
+    first = r.spin.backoff = 0.2
+    r.spin.quiet_until = time.perf_counter()
     r.poke()  # the probe
     await _spin_ends(r)
     st = r.statistics()
     assert st["spins"] == spins + 1 and st["quiet_periods"] == 2
-    assert r._backoff == 2 * first
+    assert r.spin.backoff == 2 * first
     r.close()
 
 
@@ -225,7 +229,7 @@ async def test_hybrid_leaves_the_cq_disarmed_while_its_spin_polls_it() -> None:
     loop = asyncio.get_running_loop()
     r = CQReactor(FakeCtx(), loop, mode="hybrid", spin_us=1_000_000)  # type: ignore[arg-type]
     cq: FakeCQ = r.acquire_cq(8)  # type: ignore[assignment]
-    r.thread_time = time.perf_counter  # never "preempted"
+    r.spin.thread_time = time.perf_counter  # never "preempted"
     await _wake_and_spin(r, cq)
     assert not cq.armed and r.statistics()["arms"] == 0
     for _ in range(3):  # caught by the spin: no event, no arm
@@ -247,7 +251,7 @@ async def test_completion_between_the_last_spin_poll_and_the_arm_is_not_lost() -
     loop = asyncio.get_running_loop()
     r = CQReactor(FakeCtx(), loop, mode="hybrid", spin_us=1_000_000)  # type: ignore[arg-type]
     cq: FakeCQ = r.acquire_cq(8)  # type: ignore[assignment]
-    r.thread_time = time.perf_counter
+    r.spin.thread_time = time.perf_counter
     await _wake_and_spin(r, cq)
     fut = loop.create_future()
     wr_id = r.register(future_handler, fut)
@@ -266,7 +270,7 @@ async def test_hybrid_arms_when_its_spin_is_preempted() -> None:
     r = CQReactor(FakeCtx(), loop, mode="hybrid", spin_us=1_000_000)  # type: ignore[arg-type]
     cq: FakeCQ = r.acquire_cq(8)  # type: ignore[assignment]
     frozen: list[float] = []  # the thread clock runs with the wall clock until frozen
-    r.thread_time = lambda: frozen[0] if frozen else time.perf_counter()
+    r.spin.thread_time = lambda: frozen[0] if frozen else time.perf_counter()
     await _wake_and_spin(r, cq)  # (never preempted so far, however slow the machine)
     assert not cq.armed
     frozen.append(time.perf_counter())
@@ -456,10 +460,10 @@ async def test_in_place_waits_go_quiet_after_missing_in_a_row() -> None:
     await miss()
     st = r.statistics()
     assert st["quiet_periods"] == 1 and st["in_place_missed"] == 2 * _MISS_LIMIT - 1
-    assert r._quiet_until > before  # quiet from the last miss on, for a back-off
+    assert r.spin.quiet_until > before  # quiet from the last miss on, for a back-off
     # while quiet, a wait does not poll (the back-off, 5 ms, is stretched here: under
     # emulation the two loop turns below can take longer than that)
-    r._quiet_until = time.perf_counter() + 60
+    r.spin.quiet_until = time.perf_counter() + 60
     await asyncio.sleep(0)
     await asyncio.sleep(0)
     polls = r.polls

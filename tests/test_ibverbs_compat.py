@@ -1,6 +1,6 @@
 """Unit tests of the ``verbs`` provider's compatibility shims, without pyverbs.
 
-``aiordma.verbs.ibverbs.compat`` and ``native`` are pure Python / ctypes; the provider
+``aiordma.verbs.ibverbs.compat`` and ``clib`` are pure Python / ctypes; the provider
 objects are exercised against a small fake of the pyverbs API (the parts the provider
 calls, with the behaviour of rdma-core 44 and 65 where they differ). The real thing runs
 in the Soft-RoCE VM (tests/rxe/).
@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import enum
 import errno
+import gc
 import mmap
 import os
 import socket
@@ -18,9 +19,23 @@ import struct
 import sys
 import types
 from collections import deque
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from _fake_pyverbs import (
+    V4GID,
+    FakeContext,
+    FakeDevice,
+    FakePyverbsError,
+    FakeVerbsABI,
+    _open,
+    _pwc,
+    _qp_setup,
+    _to_rts,
+    install_abi,
+    install_fake,
+)
 
 from aiordma.errors import (
     CQOverrunError,
@@ -30,13 +45,10 @@ from aiordma.errors import (
     RegistrationError,
 )
 from aiordma.verbs import (
-    MTU,
     SGE,
     Access,
-    AHAttr,
     EventType,
     QPAttr,
-    QPCap,
     QPState,
     RecvWR,
     SendFlags,
@@ -46,7 +58,14 @@ from aiordma.verbs import (
     WCStatus,
     WROpcode,
 )
-from aiordma.verbs.ibverbs import compat, native, provider
+from aiordma.verbs.ibverbs import channel as ibv_channel
+from aiordma.verbs.ibverbs import clib, compat, loader, provider
+
+
+@pytest.fixture
+def fake(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    yield from install_fake(monkeypatch)
+
 
 # ----------------------------------------------------------------------------------------
 # enums, versions, errors
@@ -105,16 +124,6 @@ def test_parse_version() -> None:
     assert compat.parse_version("44") == (44,)
     assert compat.parse_version(None) is None
     assert compat.parse_version("dev") is None
-
-
-class FakePyverbsError(Exception):
-    """Like pyverbs' PyverbsRDMAError: message gets 'Errno: N, text' when a code is given."""
-
-    def __init__(self, msg: str, error_code: int = -1) -> None:
-        if error_code != -1:
-            msg = f"{msg}. Errno: {error_code}, {os.strerror(error_code)}"
-        super().__init__(msg)
-        self.error_code = error_code
 
 
 def test_errno_of() -> None:
@@ -290,13 +299,6 @@ def test_imm_data_is_network_order_on_the_wire() -> None:
     assert compat.imm_to_wire(-1) == 0xFFFFFFFF
 
 
-def _pwc(**kw: Any) -> types.SimpleNamespace:
-    base = dict(wr_id=5, status=0, opcode=128, vendor_err=0, byte_len=10, qp_num=0x11,
-                src_qp=0x22, imm_data=0, wc_flags=0)
-    base.update(kw)
-    return types.SimpleNamespace(**base)
-
-
 def test_convert_wc() -> None:
     wc = compat.convert_wc(_pwc(wc_flags=WCFlags.WITH_IMM, imm_data=socket.htonl(0xABCD),
                                 opcode=129))
@@ -324,41 +326,11 @@ def test_convert_wc() -> None:
     assert compat.wc_from_fields(compat.IBV_WC.unpack(raw)).wr_id == 1 << 63
 
 
-class FakePollCQ:
-    """A ``struct ibv_context`` whose ``ops.poll_cq`` is a C callback serving the
-    completions queued on the fake pyverbs CQs (what CQPoller calls through ctypes)."""
-
-    def __init__(self) -> None:
-        self.ctx = (ctypes.c_char * compat.CTX_PROBE_SIZE)()
-        self.cqs: dict[int, Any] = {}  # fake struct ibv_cq * -> FakeCQ
-        self.calls: list[tuple[int, int]] = []
-        self._cb = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
-                                    ctypes.c_void_p)(self._poll)
-        ptr = ctypes.cast(self._cb, ctypes.c_void_p).value
-        struct.pack_into("=Q", self.ctx, compat.CTX_OPS_POLL_CQ_OFFSET, ptr)
-
-    @property
-    def ptr(self) -> int:
-        return ctypes.addressof(self.ctx)
-
-    def _poll(self, cq: int, n: int, wc: int) -> int:
-        self.calls.append((cq, n))
-        fcq = self.cqs[cq]
-        if fcq.fail is not None:
-            return -errno.EOVERFLOW
-        k = 0
-        while fcq.wcs and k < n:
-            out = (ctypes.c_char * compat.IBV_WC.size).from_address(wc + k * compat.IBV_WC.size)
-            compat.IBV_WC.pack_into(out, 0, *compat.pwc_fields(fcq.wcs.popleft()), 0, 0, 0, 0)
-            k += 1
-        return k
-
-
 def test_cq_poller_calls_ops_poll_cq() -> None:
-    c = FakePollCQ()
+    c = FakeVerbsABI()
     fcq = types.SimpleNamespace(wcs=deque(_pwc(wr_id=i) for i in range(5)), fail=None)
     c.cqs[0x4000] = fcq
-    poller = native.CQPoller(c.ptr, 0x4000, entries=2)
+    poller = clib.CQPoller(c.ptr, 0x4000, entries=2)
     n, raws = poller.poll(16)  # capped at the buffer's entries
     assert n == 2 and [r[0] for r in raws] == [0, 1] and c.calls == [(0x4000, 2)]
     n, raws = poller.poll(1)
@@ -370,7 +342,7 @@ def test_cq_poller_calls_ops_poll_cq() -> None:
     n, raws = poller.poll(4)
     assert n == 0 and list(raws) == []
     with pytest.raises(ValueError):  # no ops.poll_cq
-        native.CQPoller(ctypes.addressof((ctypes.c_char * compat.CTX_PROBE_SIZE)()), 0x4000)
+        clib.CQPoller(ctypes.addressof((ctypes.c_char * compat.CTX_PROBE_SIZE)()), 0x4000)
 
 
 # ----------------------------------------------------------------------------------------
@@ -392,7 +364,6 @@ def _sysfs(tmp_path: Any, gids: dict[int, tuple[str, str | None]], dev: str = "r
     return str(root)
 
 
-V4GID = "0000:0000:0000:0000:0000:ffff:0a00:020f"  # 10.0.2.15
 LINK_LOCAL = "fe80:0000:0000:0000:5054:00ff:fe12:3456"
 
 
@@ -535,12 +506,12 @@ def test_native_async_reader_converts_then_acks_everything() -> None:
         if etype == 99:
             return None  # unknown type: acked, not reported
         if etype == 1:
-            return (etype, native.qp_num_of(element))
+            return (etype, clib.qp_num_of(element))
         if etype == 0:
-            return (etype, native.cq_context_of(element))
-        return (etype, native.element_port(element))
+            return (etype, clib.cq_context_of(element))
+        return (etype, clib.element_port(element))
 
-    reader = native.AsyncReader(lib, 0x1000)
+    reader = clib.AsyncReader(lib, 0x1000)
     seen = reader.drain(convert)
     assert seen == [(1, 0x1234), (0, 0xC0FFEE), (10, 1)]
     assert len(lib.acked) == 4  # every event is acked, the unknown one too
@@ -550,7 +521,7 @@ def test_native_async_reader_converts_then_acks_everything() -> None:
 def test_native_channel_reader() -> None:
     lib = FakeLib([])
     lib.cq_events.extend([(0x1000, 0xAA), (0x2000, 0xBB)])
-    r = native.ChannelReader(lib, 0x500)
+    r = clib.ChannelReader(lib, 0x500)
     assert r.get() == (0x1000, 0xAA) and r.get() == (0x2000, 0xBB) and r.get() is None
     r.ack(0x1000, 2)
     assert lib.cq_acked == [(0x1000, 2)]
@@ -562,7 +533,7 @@ def test_native_channel_reader() -> None:
 
 def test_native_async_reader_stops_on_other_errors(caplog: Any) -> None:
     lib = FakeLib([], fail_errno=errno.EIO)
-    assert native.AsyncReader(lib, 0x1000).drain(lambda t, e: (t, e)) == []
+    assert clib.AsyncReader(lib, 0x1000).drain(lambda t, e: (t, e)) == []
     assert "ibv_get_async_event failed" in caplog.text
 
 
@@ -571,283 +542,8 @@ def test_native_async_reader_stops_on_other_errors(caplog: Any) -> None:
 # ----------------------------------------------------------------------------------------
 
 
-class FakeDevice:
-    def __init__(self, name: bytes) -> None:
-        self.name = name  # bytes, as pyverbs returns it
-
-
-class FakeContext:
-    ports = {1: dict(state=4, active_mtu=3, max_mtu=5, lid=0, gid_tbl_len=8, link_layer=2,
-                     max_msg_sz=1 << 31)}
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.cmd_fd = 3
-        self.closed = False
-        self.async_events: deque[int] = deque()
-
-    def query_device(self) -> Any:
-        return types.SimpleNamespace(
-            phys_port_cnt=1, max_qp_wr=16384, max_sge=32, max_cqe=65536, max_mr_size=1 << 40,
-            max_qp_rd_atom=8, max_qp_init_rd_atom=4, atomic_caps=1, vendor_id=0x1234,
-            vendor_part_id=1, fw_version=b"1.0")
-
-    def query_port(self, port: int) -> Any:
-        if port not in self.ports:
-            raise FakePyverbsError("Failed to query port", errno.EINVAL)
-        return types.SimpleNamespace(**self.ports[port])
-
-    def query_gid(self, port: int, index: int) -> str:
-        return V4GID if index == 1 else "0000:0000:0000:0000:0000:0000:0000:0000"
-
-    def get_async_event(self) -> Any:
-        et = self.async_events.popleft()
-        ev = types.SimpleNamespace(event_type=et, acked=False)
-        ev.ack = lambda: setattr(ev, "acked", True)
-        return ev
-
-    def close(self) -> None:
-        self.closed = True
-
-
-class FakePD:
-    def __init__(self, ctx: FakeContext) -> None:
-        self.closed = False
-
-    def close(self) -> None:
-        self.closed = True
-
-
-class FakeMR:
-    next_key = 0x100
-
-    def __init__(self, pd: FakePD, length: int, access: int, address: int | None = None) -> None:
-        if access & 0x2 and not access & 0x1:
-            raise FakePyverbsError("Failed to register a MR", errno.EINVAL)
-        self.length, self.access, self.address = length, access, address
-        FakeMR.next_key += 1
-        self.lkey = self.rkey = FakeMR.next_key
-        self.closed = False
-
-    def close(self) -> None:
-        self.closed = True
-
-
-class FakeCompChannel:
-    """rdma-core 57+: has ``fd``; get_cq_event raises EAGAIN when nothing is queued."""
-
-    def __init__(self, ctx: FakeContext) -> None:
-        self._r, self._w = os.pipe()
-        self.queued = 0
-        self.closed = False
-
-    @property
-    def fd(self) -> int:
-        return self._r
-
-    def push(self) -> None:
-        self.queued += 1
-        os.write(self._w, b"x")
-
-    def get_cq_event(self, cq: FakeCQ) -> None:
-        if not self.queued:
-            raise FakePyverbsError("Failed to get CQ event", errno.EAGAIN)
-        self.queued -= 1
-        os.read(self._r, 1)
-        cq.num_events += 1
-
-    def close(self) -> None:
-        self.closed = True
-        os.close(self._r)
-        os.close(self._w)
-
-
-class FakeCQ:
-    def __init__(self, ctx: FakeContext, cqe: int, cq_context: Any, channel: Any,
-                 comp_vector: int) -> None:
-        self.cqe, self.cq_context, self.channel = cqe, cq_context, channel
-        self.wcs: deque[Any] = deque()
-        self.num_events = 0
-        self.armed = 0
-        self.closed = False
-        self.fail: Exception | None = None
-
-    def poll(self, n: int = 1) -> tuple[int, list[Any]]:
-        if self.fail is not None:
-            raise self.fail
-        out = [self.wcs.popleft() for _ in range(min(n, len(self.wcs)))]
-        return len(out), out
-
-    def req_notify(self, solicited_only: int = 0) -> None:
-        self.armed += 1
-
-    def ack_events(self, n: int) -> None:
-        self.num_events -= n
-
-    def close(self) -> None:
-        assert self.num_events == 0, "ibv_destroy_cq would block"
-        self.closed = True
-
-
-class _Rec:
-    """A pyverbs-like record object: keyword fields, settable attributes, close()."""
-
-    def __init__(self, *args: Any, **kw: Any) -> None:
-        self.args = args
-        self.__dict__.update(kw)
-        self.closed = False
-
-    def close(self) -> None:
-        self.closed = True
-
-
-class FakeSGE(_Rec):
-    def __init__(self, addr: int, length: int, lkey: int) -> None:
-        super().__init__(addr=addr, length=length, lkey=lkey)
-
-
-class FakeSendWR(_Rec):
-    def __init__(self, wr_id: int = 0, opcode: int = 2, num_sge: int = 0, imm_data: int = 0,
-                 sg: Any = None, send_flags: int = 2, next_wr: Any = None) -> None:
-        if num_sge < 1 or sg is None:  # as pyverbs 44 and 65
-            raise FakePyverbsError("A WR needs at least one SGE")
-        if not 0 <= imm_data <= 0xFFFFFFFF:
-            raise OverflowError("imm_data")
-        super().__init__(wr_id=wr_id, opcode=opcode, num_sge=num_sge, imm_data=imm_data,
-                         sg=[(s.addr, s.length, s.lkey) for s in sg], send_flags=send_flags,
-                         next_wr=next_wr, rdma=None, atomic=None)
-
-    def set_wr_rdma(self, rkey: int, addr: int) -> None:
-        self.rdma = (rkey, addr)
-
-    def set_wr_atomic(self, rkey: int, addr: int, compare_add: int, swap: int = 0) -> None:
-        self.atomic = (rkey, addr, compare_add, swap)
-
-
-class FakeRecvWR(_Rec):
-    def __init__(self, wr_id: int = 0, num_sge: int = 0, sg: Any = None,
-                 next_wr: Any = None) -> None:
-        if num_sge < 1 or sg is None:  # pyverbs 44
-            raise FakePyverbsError("A WR needs at least one SGE")
-        super().__init__(wr_id=wr_id, num_sge=num_sge,
-                         sg=[(s.addr, s.length, s.lkey) for s in sg], next_wr=next_wr)
-
-
-class FakeQP:
-    def __init__(self, pd: FakePD, init: _Rec) -> None:
-        self.init = init
-        self.qp_num = 0x11
-        self.state = 0
-        self.sends: list[list[FakeSendWR]] = []
-        self.recvs: list[list[FakeRecvWR]] = []
-        self.modified: list[tuple[FakeQPAttr, int]] = []
-        self.refuse: Exception | None = None
-        self.closed = False
-
-    @staticmethod
-    def _chain(head: Any) -> list[Any]:
-        out = []
-        while head is not None:
-            assert not head.closed, "posted after close()"
-            out.append(head)
-            head = head.next_wr
-        return out
-
-    def post_send(self, head: FakeSendWR) -> None:
-        if self.refuse is not None:
-            raise self.refuse
-        self.sends.append(self._chain(head))
-
-    def post_recv(self, head: FakeRecvWR) -> None:
-        if self.refuse is not None:
-            raise self.refuse
-        self.recvs.append(self._chain(head))
-
-    def modify(self, attr: FakeQPAttr, mask: int) -> None:
-        if attr.qp_state == 3 and self.state != 2:
-            raise FakePyverbsError("Failed to modify QP", errno.EINVAL)
-        self.modified.append((attr, mask))
-        self.state = attr.qp_state
-
-    def query(self, mask: int) -> tuple[Any, Any]:
-        return types.SimpleNamespace(qp_state=self.state), None
-
-    def close(self) -> None:
-        self.closed = True
-
-
-class FakeQPAttr(_Rec):
-    def __init__(self, qp_state: int = 1) -> None:
-        super().__init__()
-        self.qp_state = qp_state
-
-
-def fake_pyverbs(devices: list[bytes] | None = None) -> Any:
-    pv = types.SimpleNamespace()
-    pv.device = types.SimpleNamespace(
-        Context=lambda name: FakeContext(name),
-        get_device_list=lambda: [FakeDevice(n) for n in (devices or [b"rxe0"])])
-    pv.pd = types.SimpleNamespace(PD=FakePD)
-    pv.mr = types.SimpleNamespace(MR=FakeMR)
-    pv.cq = types.SimpleNamespace(CQ=FakeCQ, CompChannel=FakeCompChannel)
-    pv.qp = types.SimpleNamespace(QP=FakeQP, QPCap=_Rec, QPInitAttr=_Rec, QPAttr=FakeQPAttr)
-    pv.wr = types.SimpleNamespace(SGE=FakeSGE, SendWR=FakeSendWR, RecvWR=FakeRecvWR)
-    pv.addr = types.SimpleNamespace(GID=lambda s: ("GID", s), GlobalRoute=_Rec, AHAttr=_Rec)
-    pv.Error = FakePyverbsError
-    pv.version = (44,)
-    pv.e = compat.EnumTable(None)
-    pv.channel_has_fd = True
-    pv.context_ptr_property = False
-    pv.describe = lambda: "fake pyverbs"
-    return pv
-
-
-@pytest.fixture
-def fake(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> Any:
-    """A fake pyverbs installed in the provider; the async fd is a pipe."""
-    pv = fake_pyverbs()
-    monkeypatch.setattr(provider, "_pyverbs", pv)
-    monkeypatch.setitem(provider._inline_cache, "rxe0", 256)
-    r, w = os.pipe()
-    calls = iter([{}, {r: "anon_inode:[infinibandevent]"}])
-    # the first call is before ibv_open_device, the second after it
-    monkeypatch.setattr(compat, "event_fds", lambda proc_fd=None: next(calls, {}))
-    pv.async_pipe = (r, w)
-    yield pv
-    for fd in (r, w):
-        try:
-            os.close(fd)
-        except OSError:
-            pass
-
-
-def _open(fake: Any) -> provider.IbvContext:
-    ctx = provider.IbverbsProvider().open()
-    assert isinstance(ctx, provider.IbvContext)
-    return ctx
-
-
-def _qp_setup(fake: Any, cap: QPCap | None = None, shared: bool = True) -> tuple[Any, ...]:
-    ctx = _open(fake)
-    pd = ctx.alloc_pd()
-    ch = ctx.create_comp_channel()
-    cq = ctx.create_cq(64, ch)
-    rcq = cq if shared else ctx.create_cq(64)
-    qp = pd.create_qp(cq, rcq, cap or QPCap(max_send_wr=4, max_recv_wr=4, max_send_sge=2,
-                                            max_recv_sge=2, max_inline_data=64))
-    return ctx, pd, ch, cq, rcq, qp
-
-
-def _to_rts(qp: Any) -> None:
-    qp.modify(QPAttr(QPState.INIT, qp_access_flags=Access.LOCAL_WRITE | Access.REMOTE_WRITE))
-    qp.modify(QPAttr(QPState.RTR, path_mtu=MTU.MTU_4096, dest_qp_num=0x22, rq_psn=7,
-                     max_dest_rd_atomic=16,
-                     ah_attr=AHAttr(dgid=compat.gid_from_str(V4GID), sgid_index=1)))
-    qp.modify(QPAttr(QPState.RTS, sq_psn=9, max_rd_atomic=16))
-
-
 def test_provider_without_pyverbs_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(provider, "_pyverbs", None)
+    monkeypatch.setattr(loader, "_pyverbs", None)
     monkeypatch.setitem(sys.modules, "pyverbs", None)  # import pyverbs -> ImportError
     from aiordma.verbs import get_provider
 
@@ -1115,40 +811,26 @@ def test_refusals_leave_nothing_posted(fake: Any) -> None:
     assert ei.value.errno == errno.ENOMEM and not qp._queues.sq
 
 
-@pytest.fixture(params=["pyverbs", "ctypes"])
+@pytest.fixture(params=["pyverbs", "ctypes", "compiled"])
 def poll_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch,
-              fake: Any) -> FakePollCQ | None:
-    """Both ways IbvCQ polls: pyverbs' CQ.poll, or ops.poll_cq through ctypes (the C
-    structs faked by FakePollCQ)."""
+              fake: Any) -> FakeVerbsABI | None:
+    """Every way IbvCQ polls: pyverbs' CQ.poll, ops.poll_cq through ctypes, or
+    ibv_poll_cq of the compiled data path (the C structs faked by FakeVerbsABI)."""
     if request.param == "pyverbs":
         return None
-    c = FakePollCQ()
-    created: list[Any] = []
-    real = fake.cq.CQ
-
-    def make_cq(*args: Any) -> Any:
-        fcq = real(*args)
-        created.append(fcq)
-        return fcq
-
-    def find_cq(words: Any, ctx_ptr: int, token: int, read: Any) -> int:
-        assert ctx_ptr == c.ptr
-        (fcq,) = [f for f in created if id(f.cq_context) == token]
-        addr = 0x4000 + 0x100 * len(c.cqs)
-        c.cqs[addr] = fcq
-        return addr
-
-    monkeypatch.setattr(fake.cq, "CQ", make_cq)
-    monkeypatch.setattr(compat, "find_cq_pointer", find_cq)
-    monkeypatch.setattr(provider.IbvContext, "_find_ctx_ptr", lambda self: c.ptr)
-    # the async fd is read from the (fake) context struct: make it the fake's pipe
-    struct.pack_into("=i", c.ctx, compat.CTX_ASYNC_FD_OFFSET, fake.async_pipe[0])
-    return c
+    if request.param == "compiled":
+        if loader.fastpath() is None:
+            pytest.skip(f"the compiled data path is not built ({loader.fastpath_error()})")
+        monkeypatch.delenv("AIORDMA_VERBS_POLL", raising=False)
+    else:
+        monkeypatch.setenv("AIORDMA_VERBS_POLL", "ctypes")
+    return install_abi(fake, monkeypatch)
 
 
-def test_poll_converts_and_frees_send_slots(fake: Any, poll_path: FakePollCQ | None) -> None:
+def test_poll_converts_and_frees_send_slots(fake: Any, poll_path: FakeVerbsABI | None) -> None:
     ctx, pd, ch, cq, rcq, qp = _qp_setup(fake)
     assert (cq._poller is None) == (poll_path is None)
+    assert cq.data_path == "pyverbs" if poll_path is None else cq.data_path in repr(cq)
     _to_rts(qp)
     qp.post_send([SendWR(1, WROpcode.RDMA_WRITE, [], send_flags=0),
                   SendWR(2, WROpcode.RDMA_WRITE, [], send_flags=0),
@@ -1184,6 +866,31 @@ def test_poll_converts_and_frees_send_slots(fake: Any, poll_path: FakePollCQ | N
         cq.poll()
     if poll_path is not None:
         assert poll_path.calls and all(n == 16 for _, n in poll_path.calls[:1])
+
+
+def test_a_context_dropped_open_destroys_its_objects_children_first(fake: Any) -> None:
+    """A program that drops an open context in a reference cycle (endpoints never
+    closed): the GC would destroy the pyverbs objects in any order; the context's
+    finalizer destroys them children first, acking the CQ events it got, so none is
+    destroyed after the device context (pyverbs: EBADF) or blocks (unacked events)."""
+    ctx, pd, ch, cq, rcq, qp = _qp_setup(fake, shared=False)
+    mr = pd.reg_mr(bytearray(64))
+    order: list[str] = []
+    for name, obj in (("qp", qp._qp), ("mr", mr._mr), ("cq", cq._cq), ("rcq", rcq._cq),
+                      ("channel", ch._cc), ("pd", pd._pd), ("context", ctx._ctx)):
+        obj.close = lambda name=name, close=obj.close: (order.append(name), close())[1]
+    fcq = cq._cq
+    ch._cc.push()
+    assert ch.get_event() is cq and fcq.num_events == 1  # got, never acknowledged
+    garbage: list[Any] = [ctx, pd, ch, cq, rcq, qp, mr]
+    garbage.append(garbage)
+    del ctx, pd, ch, cq, rcq, qp, mr, garbage
+    gc.collect()
+    assert sorted(order) == sorted(["qp", "mr", "cq", "rcq", "channel", "pd", "context"])
+    assert order[-1] == "context" and order.index("qp") < min(order.index("cq"),
+                                                              order.index("rcq"))
+    assert order.index("mr") < order.index("pd") and order.index("cq") < order.index("channel")
+    assert fcq.num_events == 0 and fcq.closed
 
 
 def test_completion_channel_events(fake: Any) -> None:
@@ -1222,9 +929,9 @@ def test_shared_channel_through_libibverbs(monkeypatch: pytest.MonkeyPatch, fake
     acked through libibverbs (pyverbs' own per-CQ counter is never touched)."""
     ctx = _open(fake)
     lib = FakeLib([])
-    monkeypatch.setattr(native, "libibverbs", lambda: lib)
-    orig_locate = provider.IbvCompChannel._locate
-    monkeypatch.setattr(provider.IbvCompChannel, "_locate",
+    monkeypatch.setattr(clib, "libibverbs", lambda: lib)
+    orig_locate = ibv_channel.IbvCompChannel._locate
+    monkeypatch.setattr(ibv_channel.IbvCompChannel, "_locate",
                         lambda self, before: (orig_locate(self, before)[0], 0x7000))
     ch = ctx.create_comp_channel()
     assert ch._reader is not None

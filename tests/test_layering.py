@@ -19,6 +19,7 @@ LAYERS: dict[str, int] = {
     "options": 2,
     "acceptor": 2,
     "cq_reactor": 3,
+    "spin_policy": 2,
     "device": 4,
     "liveness": 4,
     "resources": 5,
@@ -28,6 +29,7 @@ LAYERS: dict[str, int] = {
     "listener": 7,
     "transport": 8,
     "rdma_transport": 8,
+    "rdma_server": 8,
     "streams": 9,
     "dask": 10,  # the rdma:// backend of distributed, over the public API
     "__init__": 10,

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import importlib.machinery
 import importlib.util
+import json
 import os
 import pathlib
+import shutil
 import sys
 
 import pytest
@@ -16,40 +18,98 @@ from aiordma import native
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
-def _setup_native_modules() -> list[str]:
-    """setup.py's native_modules(), run without running setup()."""
-    src = (ROOT / "setup.py").read_text().split("ext_modules = []")[0]
-    ns: dict[str, object] = {"__name__": "setup_under_test"}
+def _setup_ns() -> dict[str, object]:
+    """setup.py's namespace, without running setup()."""
+    src = (ROOT / "setup.py").read_text()
+    ns: dict[str, object] = {"__name__": "setup_under_test"}  # (not __main__: no setup())
     old = os.getcwd()
     os.chdir(ROOT)
     try:
         exec(compile(src, "setup.py", "exec"), ns)
-        out = ns["native_modules"]()  # type: ignore[operator]
     finally:
         os.chdir(old)
-    assert isinstance(out, list)
-    return out
+    return ns
+
+
+def _in_root(fn: object) -> object:
+    old = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        return fn()  # type: ignore[operator]
+    finally:
+        os.chdir(old)
 
 
 def test_setup_compiles_exactly_the_listed_modules() -> None:
-    paths = _setup_native_modules()
+    ns = _setup_ns()
+    paths = _in_root(ns["native_modules"])
     assert paths == [m.replace(".", "/") + ".py" for m in native.MODULES]
-    assert all((ROOT / p).is_file() for p in paths)
+    assert isinstance(paths, list) and all((ROOT / p).is_file() for p in paths)
     assert len(set(paths)) == len(paths)
+    exts = _in_root(ns["cython_extensions"])
+    assert isinstance(exts, list)
+    assert [m for m, _src, _h in exts] == [m for _t, m, _h in native.EXTENSIONS]
+    for mod, src, headers in exts:
+        assert src == mod.replace(".", "/") + ".pyx" and all(h.endswith(".h") for h in headers)
+        assert (ROOT / src).is_file() and (ROOT / src).with_suffix(".pxd").is_file()
+        assert (ROOT / src).with_suffix(".pyi").is_file(), "mypy needs its Python-level API"
+        assert not (ROOT / src).with_suffix(".py").exists(), "one source of truth"
+    assert len({t for t, _m, _h in native.EXTENSIONS}) == len(native.EXTENSIONS)
 
 
 def test_build_reports_what_this_process_runs() -> None:
     compiled = native.compiled_modules()
     assert set(compiled) <= set(native.MODULES)
     build = native.build()
-    assert build == ("mypyc" if len(compiled) == len(native.MODULES)
-                     else "python" if not compiled else "mixed")
-    expected = os.environ.get("AIORDMA_EXPECT_BUILD")
-    if expected:  # make test-native: the suite must really run the compiled modules
-        assert build == expected, f"expected the {expected} build, run {build}: {compiled}"
+    assert build.modules == ("mypyc" if len(compiled) == len(native.MODULES)
+                             else "python" if not compiled else "mixed")
     for name in native.MODULES:
         file = sys.modules[name].__file__ or ""
         assert file.endswith(".py") == (name not in compiled)
+    for tag, mod, _headers in native.EXTENSIONS:
+        spec = importlib.util.find_spec(mod)
+        built = spec is not None and (spec.origin or "").endswith(
+            tuple(importlib.machinery.EXTENSION_SUFFIXES))
+        assert build.compiled(tag) == built, build
+        assert (tag in build.tags) == built and (tag in str(build))
+    expected = os.environ.get("AIORDMA_EXPECT_BUILD")
+    if expected:  # make test-native, the VM tier: the suite must run the compiled pieces
+        missing = set(expected.split(",")) - build.tags
+        assert not missing, f"expected the compiled {sorted(missing)}, this runs {build}"
+
+
+def test_build_says_why_an_extension_is_not_compiled(tmp_path: pathlib.Path) -> None:
+    mod = "aiordma.no_such_extension"
+    assert native.extension_status(mod, str(tmp_path)).startswith("not compiled (no build")
+    (tmp_path / "aiordma").mkdir()
+    (tmp_path / "aiordma" / native.BUILD_INFO).write_text(
+        json.dumps({"extensions": {mod: "x.h is missing"}}))
+    assert native.extension_status(mod, str(tmp_path)) == "not compiled: x.h is missing"
+    b = native.Build("python", {"verbs": "not compiled: x.h is missing", "other": ""})
+    assert b.tags == {"python", "other"} and not b.compiled("verbs") and b.compiled("other")
+    assert str(b) == "python; verbs: not compiled: x.h is missing; other: compiled"
+    assert b.label == "python+other"
+
+
+def test_setup_leaves_out_an_extension_whose_headers_do_not_compile(tmp_path: pathlib.Path) -> None:
+    """The header probe of setup.py's build_ext: a missing header is a reason (the
+    extension is left out, the pure path runs); the Python headers compile."""
+    from setuptools import Distribution
+
+    ns = _setup_ns()
+    cmd = ns["BuildExt"](Distribution())  # type: ignore[operator]
+    cmd.initialize_options()
+    cmd.finalize_options()
+    from setuptools._distutils.ccompiler import new_compiler
+    from setuptools._distutils.sysconfig import customize_compiler
+
+    cmd.compiler = new_compiler()
+    customize_compiler(cmd.compiler)
+    cmd.compiler.set_include_dirs(cmd.include_dirs)
+    why = cmd._headers_compile(("aiordma/no_such_header.h",))
+    assert "aiordma/no_such_header.h" in why and "apt install" in why
+    if shutil.which("cc") or shutil.which("gcc"):
+        assert cmd._headers_compile(("Python.h",)) == ""
 
 
 def test_decorator_shim_without_mypy_extensions(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -59,6 +119,7 @@ def test_decorator_shim_without_mypy_extensions(monkeypatch: pytest.MonkeyPatch)
         "aiordma._native_shim_test", ROOT / "aiordma" / "native.py")
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, mod)  # (dataclasses look the module up)
     spec.loader.exec_module(mod)
 
     class C:
@@ -114,3 +175,20 @@ def test_fresh_or_absent_build_is_not_stale(tmp_path: pathlib.Path, src_age: flo
 
 def test_this_checkout_is_not_stale() -> None:
     assert native.stale_modules() == []
+
+
+def test_stale_cython_extension_is_reported(tmp_path: pathlib.Path) -> None:
+    import time
+
+    _tag, mod, _h = native.EXTENSIONS[0]
+    base = tmp_path.joinpath(*mod.split("."))
+    base.parent.mkdir(parents=True)
+    now = time.time()
+    ext = base.with_name(base.name + importlib.machinery.EXTENSION_SUFFIXES[0])
+    for path, age in ((base.with_suffix(".pyx"), 100), (base.with_suffix(".pxd"), 100),
+                      (ext, 50)):
+        path.write_text("")
+        os.utime(path, (now - age, now - age))
+    assert native.stale_modules(str(tmp_path)) == []
+    os.utime(base.with_suffix(".pxd"), (now - 10, now - 10))  # its C interface edited
+    assert native.stale_modules(str(tmp_path)) == [mod]

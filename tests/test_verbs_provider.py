@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 
 from aiordma.errors import CQOverrunError, DeviceError, PostError, RDMAError, RegistrationError
+from aiordma.options import DEFAULT_ACK_TIMEOUT
 from aiordma.verbs import (
     MTU,
     SGE,
@@ -150,7 +151,7 @@ def local_addr(ctx: Context) -> tuple[bytes, int, int]:
 
 
 def bring_up(ctx: Context, qp: QP, peer_qpn: int, *, access: Access = ACC_ALL,
-             psn: int = PSN, peer_psn: int = PSN, timeout: int = 14, retry_cnt: int = 7,
+             psn: int = PSN, peer_psn: int = PSN, timeout: int | None = None, retry_cnt: int = 7,
              rnr_retry: int = 7, min_rnr_timer: int = 1,
              remote: tuple[bytes, int] | None = None, stop_at: QPState = QPState.RTS,
              auth_key: bytes | None = None) -> None:
@@ -165,6 +166,9 @@ def bring_up(ctx: Context, qp: QP, peer_qpn: int, *, access: Access = ACC_ALL,
                      ah_attr=AHAttr(dgid=gid, dlid=lid, sgid_index=gi)))
     if stop_at == QPState.RTR:
         return
+    if timeout is None:  # the endpoints' default: soft 18 (8 tries of 1.07 s: a loaded
+        #                   machine's stalls are not lost packets), verbs 14
+        timeout = DEFAULT_ACK_TIMEOUT[ctx.provider]
     qp.modify(QPAttr(QPState.RTS, sq_psn=psn, timeout=timeout, retry_cnt=retry_cnt,
                      rnr_retry=rnr_retry, max_rd_atomic=16))
 

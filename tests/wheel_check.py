@@ -4,7 +4,8 @@ checkout:
 
     python tests/wheel_check.py DIST_DIR CHECKOUT
 
-Checks what the sdist and the wheel in DIST_DIR contain, that ``aiordma`` is imported
+Checks what the sdist and the wheel in DIST_DIR contain (the compiled verbs data path
+where a C compiler and rdma-core's headers are here), that ``aiordma`` is imported
 from the environment (not the checkout) with its ``py.typed``, license and entry point,
 then runs, each as a process with a time limit: ``aiordma doctor``, ``aiordma devices``,
 ``aiordma bench --help`` and a short bench, the examples of CHECKOUT/examples and the
@@ -17,6 +18,7 @@ import importlib.metadata
 import os
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -25,8 +27,11 @@ import zipfile
 from _readme import section_code
 
 import aiordma
+from aiordma import native
 
 TIMEOUT = 240
+#: where rdma-core's headers are, the build compiles the verbs data path by default
+VERBS_H = "/usr/include/infiniband/verbs.h"
 
 
 def fail(msg: str) -> None:
@@ -39,9 +44,13 @@ def check_archives(dist: pathlib.Path) -> None:
     if len(wheels) != 1 or len(sdists) != 1:
         fail(f"expected one wheel and one sdist in {dist}, found {wheels + sdists}")
     names = zipfile.ZipFile(wheels[0]).namelist()
-    for want in ("aiordma/py.typed", "aiordma/bench/cli.py", "aiordma/doctor.py"):
+    for want in ("aiordma/py.typed", "aiordma/bench/cli.py", "aiordma/doctor.py",
+                 "aiordma/verbs/ibverbs/fastpath.pyx", "aiordma/verbs/ibverbs/fastpath.pxd"):
         if want not in names:
             fail(f"the wheel has no {want}")
+    built = [n for n in names if re.fullmatch(r"aiordma/verbs/ibverbs/fastpath\..*\.so", n)]
+    if os.path.exists(VERBS_H) and shutil.which("cc") and not built:
+        fail(f"{VERBS_H} and a C compiler are here, but the wheel has no compiled data path")
     if not any(re.fullmatch(r"aiordma-[^/]+\.dist-info/licenses/LICENSE", n) for n in names):
         fail("the wheel has no dist-info/licenses/LICENSE")
     stray = [n for n in names if n.split("/")[0] in ("tests", "examples", "docs")]
@@ -65,7 +74,11 @@ def check_installed(checkout: pathlib.Path) -> None:
     meta = importlib.metadata.metadata("aiordma")
     if meta.get("License-Expression") != "MIT":
         fail(f"License-Expression is {meta.get('License-Expression')!r}, not 'MIT'")
-    print(f"ok: aiordma {aiordma.__version__} installed in {pkg}, typed, MIT", flush=True)
+    build = native.build()
+    if os.path.exists(VERBS_H) and shutil.which("cc") and not build.compiled("verbs"):
+        fail(f"a source install with a C compiler and {VERBS_H} runs {build}")
+    print(f"ok: aiordma {aiordma.__version__} installed in {pkg}, typed, MIT, build {build}",
+          flush=True)
 
 
 def run(what: str, args: list[str], expect: str | None = None, env: dict[str, str] | None = None,

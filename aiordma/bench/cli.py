@@ -11,7 +11,8 @@ sizes: asyncio TCP and Unix sockets with the Protocol and streams APIs on the sa
 event loop (``tcp-proto tcp-streams unix-proto unix-streams``), a memory-copy
 ceiling (``memcpy``); inside an RDMA-capable VM, ``pyverbs`` (a synchronous busy
 loop), ``pyverbs-async`` (the least an asyncio program over pyverbs does) and
-``perftest``.
+``perftest``; UCXX over UCX shared memory with polling and blocking progress
+(``ucxx-poll ucxx-block``, send_lat/send_bw/msg_rate; needs aiordma[ucxx]).
 Every aiordma figure is reported with its ratio to each matching baseline; the first
 (reference) one is ``tcp-proto``.
 
@@ -22,6 +23,7 @@ and ``--max-seconds`` per test; every wait has a timeout.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import os
@@ -47,6 +49,7 @@ from .common import (
     REFERENCE,
     SOCKET_BASELINES,
     TWO_PROCESS_TESTS,
+    UCXX_BASELINES,
     Config,
     Result,
     fmt_size,
@@ -531,6 +534,15 @@ def main(argv: list[str] | None = None) -> int:
 
                     got += run_perftest(cfg, _log)
                     continue
+                if tr in UCXX_BASELINES:
+                    from .ucxx_baseline import tests_of
+
+                    sub = dataclasses.replace(cfg, tests=tests_of(cfg))
+                    if sub.items():
+                        got += run_pair(tr, sub)[0]
+                    else:
+                        _log(f"bench: {tr} runs none of {','.join(two)}")
+                    continue
                 res, st = run_pair(tr, cfg)
                 got += res
                 if tr == "aiordma":
@@ -556,7 +568,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.save:
         from .report import document
 
-        doc = document(results, machine=machine(), build=native.build(), loop=cfg.loop,
+        doc = document(results, machine=machine(), build=native.build().label, loop=cfg.loop,
                        provider=cfg.provider, poll_mode=cfg.poll_mode,
                        command=sys.argv[2:] if argv is None else list(argv), commit=commit)
         with open(a.save, "w") as f:

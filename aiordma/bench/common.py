@@ -49,7 +49,9 @@ PATTERN = {
 
 SOCKET_BASELINES = ("tcp-proto", "tcp-streams", "unix-proto", "unix-streams")
 LOCAL_BASELINES = ("memcpy",)
-EXTERNAL_BASELINES = ("pyverbs", "pyverbs-async", "perftest")
+#: UCXX over UCX shared memory, polling and blocking progress (ucxx_baseline.py)
+UCXX_BASELINES = ("ucxx-poll", "ucxx-block")
+EXTERNAL_BASELINES = ("pyverbs", "pyverbs-async", "perftest", *UCXX_BASELINES)
 DEFAULT_BASELINES = (*SOCKET_BASELINES, *LOCAL_BASELINES)
 #: the baseline every aiordma figure is compared with first (the issue's targets)
 REFERENCE = "tcp-proto"

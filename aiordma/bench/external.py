@@ -1,5 +1,6 @@
-"""Baselines that need a real RDMA device (the Soft-RoCE VM, tests/rxe/README.md;
-``make bench-rxe``): ``--baselines pyverbs,pyverbs-async,perftest``. Each checks what it needs first
+"""Baselines outside the socket set: those that need a real RDMA device (the Soft-RoCE
+VM, tests/rxe/README.md; ``make bench-rxe``): ``--baselines pyverbs,pyverbs-async,perftest``,
+and UCXX (``ucxx-poll,ucxx-block``; ``make bench-ucxx``). Each checks what it needs first
 and raises ``BaselineUnavailable`` with the reason, so a run never silently compares
 against nothing.
 
@@ -22,7 +23,10 @@ against nothing.
   from the header (``MiB/sec``/``MB/sec`` = 2**20 B, ``Gb/sec``). perftest takes its
   turn in every round like the other transports; it reports no CPU time.
 
-Both busy-poll: on a machine with as few cores as busy-polling processes (the 2-vCPU
+* ``ucxx-poll``, ``ucxx-block`` -- UCXX's asyncio API over UCX shared memory on one host
+  (no RDMA device), polling and blocking progress (``aiordma/bench/ucxx_baseline.py``).
+
+pyverbs and perftest busy-poll: on a machine with as few cores as busy-polling processes (the 2-vCPU
 VM), they compete with the kernel's rxe work for the CPUs, which shows in their tails.
 """
 
@@ -35,7 +39,7 @@ import subprocess
 import time
 from collections.abc import Callable
 
-from .common import Config, Result, fmt_size
+from .common import UCXX_BASELINES, Config, Result, fmt_size
 
 
 class BaselineUnavailable(RuntimeError):
@@ -78,6 +82,13 @@ def check(name: str, cfg: Config) -> None:
             raise BaselineUnavailable(f"perftest binaries not found: {', '.join(missing)} "
                                       "(apt install perftest, inside the Soft-RoCE VM)")
         _active_verbs_device(cfg)
+        return
+    if name in UCXX_BASELINES:
+        from .ucxx_baseline import unavailable_reason
+
+        reason = unavailable_reason()
+        if reason is not None:
+            raise BaselineUnavailable(reason)
         return
     raise BaselineUnavailable(f"unknown external baseline {name!r}")
 

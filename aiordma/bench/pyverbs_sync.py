@@ -49,7 +49,7 @@ class _Verbs:
 
     def __init__(self, cfg: Config) -> None:
         from aiordma.verbs.ibverbs import compat
-        from aiordma.verbs.ibverbs.provider import load_pyverbs
+        from aiordma.verbs.ibverbs.loader import load_pyverbs
 
         self.pv = pv = load_pyverbs()
         e = pv.e

@@ -15,9 +15,12 @@ machine's moods:
 
 Variants: ``pyverbs`` (work requests built once and re-posted, ``CQ.poll``: the floor
 of any Python program over pyverbs), ``provider`` (``aiordma.verbs`` objects, with
-their checks and queue accounting; completions polled through the device's own
-``poll_cq``, see ``aiordma/verbs/ibverbs/__init__.py``) and ``provider, pyverbs poll``
-(the provider with ``CQ.poll`` of pyverbs, as ``AIORDMA_VERBS_POLL=pyverbs`` selects).
+their checks and queue accounting, on the data path they chose: compiled where the
+``fastpath`` extension is built, see ``aiordma/verbs/ibverbs/__init__.py``),
+``pyverbs post, ctypes poll`` (the same objects posting pyverbs WRs and polling
+through ctypes: the path without the extension), ``pyverbs poll`` (posting as
+``provider`` does, polling with pyverbs' ``CQ.poll``) and ``compiled, no checks`` (the extension's posters re-posting the WRs already in their C arrays and its
+poller's raw tuples: what a compiled caller pays, plus one Python call each).
 Every wait is bounded (``WAIT_S``).
 """
 
@@ -31,6 +34,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from aiordma import native
 from aiordma.errors import DeviceError
 from aiordma.verbs import (
     SGE,
@@ -45,6 +49,7 @@ from aiordma.verbs import (
     WROpcode,
     open_context,
 )
+from aiordma.verbs.ibverbs import clib
 
 WAIT_S = 5.0
 SETTLE_S = 0.003
@@ -80,11 +85,24 @@ class Loopback:
             qp.modify(QPAttr(QPState.RTS, sq_psn=1))
         self.buf = bytearray(1 << 16)
         self.mr = self.pd.reg_mr(self.buf, Access.LOCAL_WRITE)
-        self.pollers = {id(cq): getattr(cq, "_poller", None) for cq in (self.cq_a, self.cq_b)}
+        # each object's own data path, and the ctypes poller of each CQ
+        cqs: tuple[Any, ...] = (self.cq_a, self.cq_b)
+        qps: tuple[Any, ...] = (self.a, self.b)
+        ctx: Any = self.ctx
+        self.pollers = {id(cq): cq._poller for cq in cqs}
+        self.posters = {id(qp): qp._fast for qp in qps}
+        self.ctypes_pollers = {
+            id(cq): clib.CQPoller(ctx._ctx_ptr, cq._cq_ptr) if cq._cq_ptr else None
+            for cq in cqs}
 
-    def use_ctypes_poll(self, on: bool) -> None:
+    def use(self, post: str, poll: str) -> None:
+        """``post``: "own" (the QP's data path) or "pyverbs"; ``poll``: "own",
+        "ctypes" or "pyverbs"."""
+        for qp in (self.a, self.b):
+            qp._fast = self.posters[id(qp)] if post == "own" else None
         for cq in (self.cq_a, self.cq_b):
-            cq._poller = self.pollers[id(cq)] if on else None
+            cq._poller = {"own": self.pollers[id(cq)], "pyverbs": None,
+                          "ctypes": self.ctypes_pollers[id(cq)]}[poll]
 
     def recv_wr(self, i: int) -> RecvWR:
         return RecvWR(100 + i, [SGE(self.mr.addr + 4096 + SIZE * i, SIZE, self.mr.lkey)])
@@ -189,17 +207,18 @@ class Pyverbs(Variant):
 
 
 class Provider(Variant):
-    """aiordma's provider objects (work requests re-used, as an endpoint does)."""
+    """aiordma's provider objects (work requests re-used, as an endpoint does), posting
+    and polling as ``post``/``poll`` say (``Loopback.use``)."""
 
-    def __init__(self, lb: Loopback, ctypes_poll: bool) -> None:
-        super().__init__("provider" if ctypes_poll else "provider, pyverbs poll", lb)
-        self.ctypes_poll = ctypes_poll
+    def __init__(self, lb: Loopback, name: str, post: str = "own", poll: str = "own") -> None:
+        super().__init__(name, lb)
+        self.post, self.poll = post, poll
         self.rwrs = [lb.recv_wr(i) for i in range(max(BATCHES))]
         self.swr = [lb.send_wr(7)]
         self.i = 0
 
     def setup(self) -> None:
-        self.lb.use_ctypes_poll(self.ctypes_poll)
+        self.lb.use(self.post, self.poll)
 
     def post_recv(self) -> None:
         self.i = (self.i + 1) % len(self.rwrs)
@@ -213,6 +232,43 @@ class Provider(Variant):
 
     def poll_b(self, n: int) -> int:
         return len(self.lb.cq_b.poll(n))
+
+
+class Compiled(Variant):
+    """The compiled posters and pollers without the provider: WRs already in the C
+    arrays re-posted (``post_*_again``), completions as raw tuples. The queue
+    accounting of the provider objects is not kept: this variant runs last."""
+
+    def __init__(self, lb: Loopback) -> None:
+        super().__init__("compiled, no checks", lb)
+        pa, pb = lb.posters[id(lb.a)], lb.posters[id(lb.b)]
+        assert pa is not None and pb is not None
+        self.pa, self.pb = pa, pb
+        qa, qb = lb.pollers[id(lb.cq_a)], lb.pollers[id(lb.cq_b)]
+        self.qa, self.qb = qa, qb
+        self.built = False
+
+    def setup(self) -> None:
+        if not self.built:  # one receive and one send in the arrays, through the provider
+            self.lb.use("own", "own")
+            self.lb.b.post_recv([self.lb.recv_wr(0)])
+            self.lb.a.post_send([self.lb.send_wr(7)])
+            _busy(SETTLE_S)
+            _drain(lambda: len(self.lb.cq_a.poll(16)), 1)
+            _drain(lambda: len(self.lb.cq_b.poll(16)), 1)
+            self.built = True
+
+    def post_recv(self) -> None:
+        self.pb.post_recv_again(1)
+
+    def post_send(self) -> None:
+        self.pa.post_send_again(1)
+
+    def poll_a(self, n: int) -> int:
+        return max(0, self.qa.poll(n)[0])
+
+    def poll_b(self, n: int) -> int:
+        return max(0, self.qb.poll(n)[0])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -229,11 +285,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"verbs_ops: {exc}", file=sys.stderr)
         return 2
     try:
-        variants: list[Variant] = [Pyverbs(lb), Provider(lb, True)]
-        if any(lb.pollers.values()):
-            variants.append(Provider(lb, False))
-        else:
-            print("(the CQ's C struct was not found: the provider polls through pyverbs)")
+        print(f"aiordma build: {native.build()}; data paths: posts "
+              f"{lb.a.data_path}, polls {lb.cq_a.data_path}")
+        variants: list[Variant] = [Pyverbs(lb), Provider(lb, "provider")]
+        if lb.a.data_path == "compiled":
+            variants.append(Provider(lb, "pyverbs post, ctypes poll", "pyverbs",
+                                     "ctypes" if all(lb.ctypes_pollers.values()) else "pyverbs"))
+        if lb.cq_a.data_path != "pyverbs":
+            variants.append(Provider(lb, "pyverbs poll", "own", "pyverbs"))
+        if lb.a.data_path == "compiled" and lb.cq_a.data_path == "compiled":
+            variants.append(Compiled(lb))
         ops: dict[str, dict[str, list[int]]] = {v.name: {} for v in variants}
         per: dict[str, dict[int, list[int]]] = {v.name: {b: [] for b in BATCHES}
                                                 for v in variants}
@@ -248,19 +309,19 @@ def main(argv: list[str] | None = None) -> int:
                         per_wc = v.batch_round(b)
                         if per_wc is not None:
                             per[v.name][b].append(per_wc)
-        lb.use_ctypes_poll(True)
+        lb.use("own", "own")
         rows = list(next(iter(ops.values())))
         names = [v.name for v in variants]
         print(f"verbs layer costs on {lb.ctx.name}, one process, medians in us "
               f"({a.rounds} rounds x {a.iters})")
-        print(f"{'':26s}" + "".join(f"{n:>24s}" for n in names))
+        print(f"{'':26s}" + "".join(f"{n:>27s}" for n in names))
         for r in rows:
-            print(f"{r:26s}" + "".join(f"{statistics.median(ops[n][r]) / 1e3:24.1f}"
+            print(f"{r:26s}" + "".join(f"{statistics.median(ops[n][r]) / 1e3:27.1f}"
                                        for n in names))
         for b in BATCHES:
             cells = [per[n][b] for n in names]
             print(f"{f'poll, {b} ready, per WC':26s}" + "".join(
-                f"{statistics.median(c) / 1e3:24.1f}" if c else f"{'-':>24s}" for c in cells))
+                f"{statistics.median(c) / 1e3:27.1f}" if c else f"{'-':>27s}" for c in cells))
     finally:
         lb.close()
     return 0

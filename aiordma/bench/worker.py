@@ -5,7 +5,8 @@
 
 TRANSPORT ``pyverbs`` runs the synchronous baseline of ``aiordma/bench/pyverbs_sync.py``
 (same control protocol, no event loop); ``pyverbs-async`` the asyncio floor of
-``aiordma/bench/pyverbs_async.py`` (a backend of this harness, like the sockets).
+``aiordma/bench/pyverbs_async.py`` (a backend of this harness, like the sockets);
+``ucxx-poll``/``ucxx-block`` UCXX over UCX shared memory (``aiordma/bench/ucxx_baseline.py``).
 
 The server prints ``READY {json}`` (its control port and data address) on stdout and
 serves until the client says ``quit`` (or the control connection closes). The client
@@ -28,6 +29,7 @@ from typing import Any
 from .common import (
     LAT_TESTS,
     PATTERN,
+    UCXX_BASELINES,
     Config,
     Control,
     CPUClock,
@@ -49,6 +51,10 @@ def _backend_server(transport: str, cfg: Config) -> Any:
         from .pyverbs_async import AioVerbsServer
 
         return AioVerbsServer(cfg)
+    if transport in UCXX_BASELINES:
+        from .ucxx_baseline import UcxxServer
+
+        return UcxxServer(cfg, transport)
     from .sockets import SocketServer
 
     family, api = transport.split("-")
@@ -64,6 +70,10 @@ def _backend_client(transport: str, cfg: Config, info: dict[str, Any]) -> Any:
         from .pyverbs_async import AioVerbsClient
 
         return AioVerbsClient(cfg, info)
+    if transport in UCXX_BASELINES:
+        from .ucxx_baseline import UcxxClient
+
+        return UcxxClient(cfg, transport, info)
     from .sockets import SocketClient
 
     family, api = transport.split("-")
@@ -129,13 +139,14 @@ async def _one(transport: str, backend: Any, ctl: Control, cfg: Config, test: st
     tmo = test_timeout(cfg)
     warm, iters = cfg.iters_for(test, size)
     window = cfg.window_for(test)
-    res.window = window if (transport in ("aiordma", "pyverbs-async")
+    res.window = window if (transport in ("aiordma", "pyverbs-async", *UCXX_BASELINES)
                             or PATTERN[test] == "source") else 0
+    # aiordma's and UCXX's operations take the server's ``begin`` reply
+    takes_info = transport == "aiordma" or getattr(backend, "takes_info", False)
     info = await ctl.call(tmo, cmd="begin", test=test, size=size, window=window)
     cpu = CPUClock()
     if test in LAT_TESTS:
-        op = (backend.lat_op(test, size, info) if transport == "aiordma"
-              else backend.lat_op(test, size))
+        op = backend.lat_op(test, size, info) if takes_info else backend.lat_op(test, size)
         for _ in range(warm):
             await bounded(op(), tmo, f"{test} warm-up")
         await ctl.call(tmo, cmd="mark", msgs=warm, bytes=warm * size)
@@ -146,7 +157,7 @@ async def _one(transport: str, backend: Any, ctl: Control, cfg: Config, test: st
         fill(res, ops=ops, seconds=secs, size=size, samples_ns=samples)
     else:
         async def stream(count: int, seconds: float) -> int:
-            if transport == "aiordma":
+            if takes_info:
                 n: int = await backend.stream(test, size, count, window, seconds, info)
             else:
                 n = await backend.stream(test, size, count, window, seconds)

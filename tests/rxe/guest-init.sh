@@ -77,8 +77,9 @@ if ! mount -t overlay overlay \
     echo "aiordma-rxe: overlayfs over 9p unavailable; the project is mounted read-only"
     mount --bind /run/project-ro "$PROJECT" || fail "bind-mount project"
 fi
-# A native build on the host (make native) is for the host's Python; the guest runs the
-# sources, so its extension modules go (from the overlay only: the host tree is untouched).
+# A native build on the host (make native) is for the host's Python, so its extension
+# modules go (from the overlay only: the host tree is untouched); the guest builds its
+# own below.
 if [ -n "$(find "$PROJECT/aiordma" -name '*.so' -print -quit)" ]; then
     find "$PROJECT/aiordma" -name '*.so' -delete 2>/dev/null \
         || fail "the host's native build (aiordma/**/*.so) is in the read-only project: make clean-native"
@@ -157,14 +158,24 @@ export AIORDMA_RXE_GUEST=1 AIORDMA_RXE_RESULTS="$RESULTS" AIORDMA_RXE_DEVICE="$R
 if [ -n "$RXE_PEER" ]; then export AIORDMA_RXE_PEER="$RXE_PEER"; fi
 # Tests and examples connect over the address that carries the rxe GID (127.0.0.1 has none).
 export AIORDMA_TEST_IP="${AIORDMA_TEST_IP:-$ip4}"
+read -r up _ < /proc/uptime
+echo "$up" > "$RESULTS/boot-seconds"
+
+# The Cython extensions, built for the guest's Python against its rdma-core headers
+# (guest-build.sh; the mypyc modules run as sources), and the command requires the
+# compiled verbs path (AIORDMA_EXPECT_BUILD, checked by tests/test_native.py).
+# AIORDMA_GUEST_BUILD=0 from the host runs the pure sources instead.
+if [ "${AIORDMA_GUEST_BUILD:-1}" != 0 ]; then
+    bash "$PROJECT/tests/rxe/guest-build.sh" "$RESULTS" \
+        || fail "building aiordma's Cython extensions in the guest failed (results/build.log)"
+    export AIORDMA_EXPECT_BUILD=verbs
+fi
 
 # From here on the kernel's messages (rxe's "make_send_cqe: non-flush error status" of
 # the error tests, say) stay out of the console, which carries the command's output:
 # they go to results/kernel.log at the end. Oopses and panics still reach the console
 # (the kernel raises the console level for them).
 echo 1 > /proc/sys/kernel/printk
-read -r up _ < /proc/uptime
-echo "$up" > "$RESULTS/boot-seconds"
 echo "aiordma-rxe: ${RXE_SUITE:-?} guest $RXE_NAME, kernel $(uname -r), $(python3 -V 2>&1)," \
      "$RXE_DEV $state on $nic $ip4 mtu $AIORDMA_RXE_MTU (gid index $gid_index), booted in ${up}s"
 cmdline=$(tail -n 1 "$CTL/cmd.sh"); cmdline=${cmdline#exec }
@@ -174,7 +185,8 @@ echo "AIORDMA-RXE-START"
 
 # A guest-side deadline shortly before the host's: SIGABRT makes Python's faulthandler
 # (on by default under pytest) print every thread's traceback, so a hang shows where it hangs.
-budget=$(( ${RXE_TIMEOUT:-1500} - ${up%.*} - 30 ))
+read -r now _ < /proc/uptime   # (the build's time included)
+budget=$(( ${RXE_TIMEOUT:-1500} - ${now%.*} - 30 ))
 [ "$budget" -ge 30 ] || budget=30
 ulimit -c 0
 cd "$PROJECT" || fail "cd $PROJECT"

@@ -30,7 +30,8 @@ from aiordma.verbs import (  # noqa: E402
     WROpcode,
     open_context,
 )
-from aiordma.verbs.ibverbs import compat, provider  # noqa: E402
+from aiordma.verbs.ibverbs import compat  # noqa: E402
+from aiordma.verbs.ibverbs.context import IbvContext  # noqa: E402
 
 failures: list[str] = []
 
@@ -44,7 +45,7 @@ def check(cond: bool, what: str) -> None:
 def main() -> int:
     ip = os.environ.get("AIORDMA_TEST_IP") or os.environ.get("AIORDMA_RXE_ADDR", "127.0.0.1")
     ctx = open_context(provider="verbs")
-    assert isinstance(ctx, provider.IbvContext)
+    assert isinstance(ctx, IbvContext)
     pv = ctx._pv
     print(f"device {ctx.name}: {pv.describe()}; channel fd attribute: {pv.channel_has_fd}")
     print(f"context pointer {ctx._ctx_ptr or 0:#x}, async fd {ctx.async_fd}, "

@@ -2,12 +2,22 @@
 
 This package is the only code in aiordma that imports pyverbs, and it does so lazily:
 importing it never fails; without pyverbs, ``PROVIDER.list_devices()``/``open()`` raise
-``DeviceError`` with the install hint. Modules:
+``DeviceError`` with the install hint. Modules: one per verbs object, then what they share:
 
-* ``provider`` -- the objects of ``verbs/api.py`` on top of pyverbs;
+* ``provider`` -- ``IbverbsProvider``: the device list, opening a device;
+* ``context``  -- ``IbvContext``: device queries, async events, the factories;
+* ``pd``       -- ``IbvPD``: protection domain, factory of MRs and QPs;
+* ``mr``       -- ``IbvMR``: registered memory;
+* ``channel``  -- ``IbvCompChannel``: completion channel events;
+* ``cq``       -- ``IbvCQ``: polling, completion accounting;
+* ``qp``       -- ``IbvQP``: state changes and posts;
+* ``pyverbs_wrs`` -- work requests as pyverbs objects, where the compiled path is not used;
+* ``fastpath`` -- the compiled data path (Cython: ``fastpath.pyx``, its C-level
+  interface ``fastpath.pxd``, verbs.h's part in ``libibverbs.pxd``);
+* ``loader``   -- pyverbs imported lazily, and what its version can do;
 * ``compat``   -- pure-Python shims for what differs between versions or is missing
   (unit-tested without pyverbs in ``tests/test_ibverbs_compat.py``);
-* ``native``   -- device async events through libibverbs' C API (ctypes).
+* ``clib``     -- libibverbs' C API through ctypes: async and channel events, CQ polling.
 
 Version differences handled
 ---------------------------
@@ -45,7 +55,7 @@ that libibverbs keeps stable) in every version, are read from the C structs:
    one; otherwise opening fails with a clear ``DeviceError`` (nothing is guessed).
 
 Both fds are set O_NONBLOCK (fcntl) at once. pyverbs never releases the GIL, so nothing
-here may block. Events are read through libibverbs' C API with ctypes (``native``):
+here may block. Events are read through libibverbs' C API with ctypes (``clib``):
 ``ibv_get_cq_event`` on the channel struct found above (any number of CQs may share a
 channel; the ``cq_context`` of each CQ maps an event back to it) with
 ``ibv_ack_cq_events``, and ``ibv_get_async_event``/``ibv_ack_async_event``, which also
@@ -57,24 +67,41 @@ If the channel struct cannot be located, pyverbs' ``get_cq_event(expected_cq)`` 
 on the non-blocking fd, EAGAIN being ``PyverbsRDMAError.error_code``; that call needs the
 CQ in advance, so such a channel serves a single CQ.
 
-Polling completions
--------------------
-pyverbs builds a ``WC`` object per completion (a logger look-up and a dozen property
-reads), which was most of the cost of a poll. Each CQ's ``struct ibv_cq *`` is found
-the same way as above, in the pyverbs ``CQ`` object: the word whose struct starts with
-our context pointer and holds the CQ's ``cq_context`` (the token the CQ was created
-with); exactly one must qualify. ``native.CQPoller`` then calls ``ctx->ops.poll_cq``
-(what the inline ``ibv_poll_cq`` of verbs.h calls; ``struct ibv_context_ops`` is part
-of the stable ABI) through ctypes, with the GIL held, into a buffer of ``struct
-ibv_wc`` (48 bytes, ``compat.IBV_WC``) unpacked with ``struct``. If the struct is not
-found, or ``AIORDMA_VERBS_POLL=pyverbs``, ``CQ.poll`` of pyverbs is used (the
-per-completion costs of both are in docs/benchmarks.md).
+The compiled data path
+----------------------
+Per message, pyverbs costs Python objects: a ``SendWR``/``RecvWR`` (or a cached one
+whose fields are set one property at a time) per post, a ``WC`` object per completion
+(a logger look-up and a dozen property reads). Where the Cython extension ``fastpath``
+is built (``aiordma.native.EXTENSIONS``; it needs rdma-core's headers at build time),
+work requests are written into preallocated C arrays of ``struct ibv_send_wr``/
+``ibv_recv_wr``, chained and posted with one ``ibv_post_send``/``ibv_post_recv``, and
+``ibv_poll_cq`` writes completions into a C array of ``struct ibv_wc``. These three are
+static inline functions of verbs.h that call ``qp->context->ops`` /
+``cq->context->ops`` (the stable ABI), so the extension links nothing of libibverbs and
+runs on the ``struct ibv_qp *``/``struct ibv_cq *`` of the objects pyverbs created;
+pyverbs keeps the control path (devices, PD, MR, CQ/QP creation, state changes,
+events). Its C-level interface (``fastpath.pxd``) posts from and polls into C arrays
+with no Python object per message, for compiled callers.
+
+The pointers are found the same way as the context's, in the pyverbs objects' own
+memory: a CQ's is the word whose struct starts with our context pointer and holds the
+CQ's ``cq_context`` (the token the CQ was created with); a QP's, the word whose struct
+starts with our context pointer and holds the QP's number and the ``struct ibv_cq *``
+of its two CQs. Exactly one word must qualify. Where the extension is not built, CQs
+are polled by ``clib.CQPoller``, which calls ``ctx->ops.poll_cq`` through ctypes (GIL
+held) into a buffer unpacked with ``struct``, and WRs are posted as pyverbs objects;
+where a pointer is not found, pyverbs does it. ``AIORDMA_VERBS_POST=pyverbs`` and
+``AIORDMA_VERBS_POLL=ctypes|pyverbs`` choose these paths; ``IbvQP.data_path`` and
+``IbvCQ.data_path`` say which one an object uses (what each path costs:
+docs/benchmarks.md).
 
 Other choices
 -------------
 * Queue-full is refused by the provider's own accounting (``compat.WorkQueues``) before
-  pyverbs is called, as is every malformed WR the device would refuse (SGE count, inline
-  length, atomic operand and alignment), so a refused chain was never partly posted.
+  the device is called, as is every malformed WR the device would refuse (SGE count,
+  inline length, atomic operand and alignment), so such a chain is never partly posted;
+  a chain the device refuses at ``bad_wr`` leaves the WRs before it posted and
+  accounted for.
 * Immediate data: the integer the user passes is put on the wire in network byte order
   (``htonl``) and converted back on receipt (``ntohl``): both sides see the same value,
   as with the ``soft`` provider, and C peers using ``htonl``/``ntohl`` agree.

@@ -26,6 +26,7 @@ import importlib
 import ipaddress
 import os
 import re
+import select
 import socket
 import struct
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -75,6 +76,10 @@ CHANNEL_FD_OFFSET = 8
 CHANNEL_SIZE = 16
 #: ``struct ibv_qp``: six pointers, ``uint32_t handle``, ``uint32_t qp_num``.
 QP_QP_NUM_OFFSET = 6 * 8 + 4
+#: ``struct ibv_qp``: ``context``, ``qp_context``, ``pd``, ``send_cq``, ``recv_cq``.
+QP_SEND_CQ_OFFSET = 3 * 8
+QP_RECV_CQ_OFFSET = 4 * 8
+QP_PROBE_SIZE = QP_QP_NUM_OFFSET + 4
 #: ``struct ibv_cq``: ``context``, ``channel``, ``void *cq_context``.
 CQ_CQ_CONTEXT_OFFSET = 2 * 8
 CQ_PROBE_SIZE = CQ_CQ_CONTEXT_OFFSET + 8
@@ -82,6 +87,9 @@ CQ_PROBE_SIZE = CQ_CQ_CONTEXT_OFFSET + 8
 #: ``_compat_query_device`` .. ``dealloc_mw`` and ``_compat_create_cq``), which is what
 #: the inline ``ibv_poll_cq`` of verbs.h calls.
 CTX_OPS_POLL_CQ_OFFSET = 8 + 11 * 8
+#: ``ctx->ops.post_send``/``post_recv``: the 26th and 27th (what ibv_post_send/recv call).
+CTX_OPS_POST_SEND_OFFSET = 8 + 25 * 8
+CTX_OPS_POST_RECV_OFFSET = 8 + 26 * 8
 #: ``struct ibv_wc`` (48 bytes): ``uint64_t wr_id; enum status, opcode; uint32_t
 #: vendor_err, byte_len; __be32 imm_data; uint32_t qp_num, src_qp; unsigned wc_flags;
 #: uint16_t pkey_index, slid; uint8_t sl, dlid_path_bits`` and 2 bytes of padding.
@@ -204,6 +212,16 @@ def is_event_fd_target(target: str) -> bool:
     ``[infinibandevent]`` by the kernel's uverbs driver.
     """
     return target.startswith("anon_inode:") and "infiniband" in target
+
+
+def readable(fd: int) -> bool:
+    """Whether ``fd`` is readable now (``select`` with a zero timeout; False for a
+    closed or invalid fd)."""
+    try:
+        r, _, _ = select.select([fd], [], [], 0)
+    except (OSError, ValueError):
+        return False
+    return bool(r)
 
 
 def fd_target(fd: int, proc_fd: str = PROC_SELF_FD) -> str | None:
@@ -357,6 +375,21 @@ def find_cq_pointer(words: Iterable[int], ctx_ptr: int, cq_context: int,
     for w, raw in _readable_pointers(words, CQ_PROBE_SIZE, read):
         if (_WORD.unpack_from(raw, 0)[0] == ctx_ptr
                 and _WORD.unpack_from(raw, CQ_CQ_CONTEXT_OFFSET)[0] == cq_context):
+            found.append(w)
+    return found[0] if len(found) == 1 else None
+
+
+def find_qp_pointer(words: Iterable[int], ctx_ptr: int, qp_num: int, send_cq: int,
+                    recv_cq: int, read: MemRead) -> int | None:
+    """The ``struct ibv_qp *`` among ``words`` (the fields of a pyverbs QP): the struct
+    must start with ``ctx_ptr``, hold ``qp_num``, and the ``struct ibv_cq *`` of its
+    send and receive CQs where known (non-zero). Exactly one pointer must qualify."""
+    found: list[int] = []
+    for w, raw in _readable_pointers(words, QP_PROBE_SIZE, read):
+        if (_WORD.unpack_from(raw, 0)[0] == ctx_ptr
+                and struct.unpack_from("=I", raw, QP_QP_NUM_OFFSET)[0] == qp_num
+                and (not send_cq or _WORD.unpack_from(raw, QP_SEND_CQ_OFFSET)[0] == send_cq)
+                and (not recv_cq or _WORD.unpack_from(raw, QP_RECV_CQ_OFFSET)[0] == recv_cq)):
             found.append(w)
     return found[0] if len(found) == 1 else None
 

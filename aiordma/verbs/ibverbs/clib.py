@@ -116,12 +116,18 @@ class CQPoller:
         self._size = compat.IBV_WC.size
         self._unpack = compat.IBV_WC.iter_unpack
 
+    def close(self) -> None:
+        """Poll nothing from now on (before the CQ is destroyed)."""
+        self._entries = 0
+
     def poll(self, n: int) -> tuple[int, Iterator[compat.RawWC]]:
         """Up to ``n`` completions: ``(count, their RawWC tuples)``; a negative count is
         ibv_poll_cq's error (then nothing is returned). Read the tuples before the next
         ``poll``: they are unpacked lazily from this object's buffer."""
         if n > self._entries:
             n = self._entries
+        if n <= 0:
+            return 0, iter(())
         rc: int = self._fn(self._cq, n, self._buf)
         if rc <= 0:
             return rc, iter(())

@@ -1,0 +1,118 @@
+"""``IbvCompChannel``: a completion channel, whose fd tells when a CQ has events."""
+
+from __future__ import annotations
+
+import errno
+from typing import TYPE_CHECKING, Any
+
+from ...errors import DeviceError, RDMAError
+from ..api import CompChannel
+from . import clib, compat
+
+if TYPE_CHECKING:
+    from .context import IbvContext
+    from .cq import IbvCQ
+
+
+class IbvCompChannel(CompChannel):
+    """A completion channel.
+
+    Events are read with ``ibv_get_cq_event`` through ctypes (``clib.ChannelReader``) on
+    the channel's C struct, so any number of CQs may share the channel. Only if that
+    struct cannot be located is pyverbs' ``get_cq_event(expected_cq)`` used, which needs
+    the CQ in advance: the channel then serves one CQ.
+    """
+
+    def __init__(self, ctx: IbvContext) -> None:
+        pv = ctx._pv
+        self._ctx = ctx
+        self._pv = pv
+        before = None if pv.channel_has_fd else compat.event_fds()
+        try:
+            self._cc: Any = pv.cq.CompChannel(ctx._ctx)
+        except pv.Error as exc:
+            raise ctx._error(exc, "ibv_create_comp_channel") from None
+        try:
+            fd, ptr = self._locate(before)
+            compat.set_nonblocking(fd)
+        except BaseException:
+            self._cc.close()
+            raise
+        lib = clib.libibverbs() if ptr else None
+        self._reader = clib.ChannelReader(lib, ptr) if lib is not None and ptr else None
+        self.fd = fd
+        self._cqs: dict[int, IbvCQ] = {}  # id(cq token) -> CQ
+        self._closed = False
+        ctx._children.add(self)
+
+    def _locate(self, before: dict[int, str] | None) -> tuple[int, int | None]:
+        """``(fd, struct ibv_comp_channel * or None)`` (see the package docstring)."""
+        known = int(self._cc.fd) if before is None else None
+        new: list[int] | None = None
+        if before is not None:
+            after = compat.event_fds()
+            new = [fd for fd, t in after.items() if before.get(fd) != t]
+        ctx = self._ctx
+        if ctx._ctx_ptr:
+            try:
+                words = compat.object_words(self._cc)
+            except Exception:  # pragma: no cover - non-CPython
+                words = []
+            found = compat.find_channel(words, ctx._ctx_ptr, ctx._mem.read, compat.is_event_fd,
+                                        fd=known, candidates=new or None)
+            if found is not None:
+                return found[1], found[0]
+        if known is not None:
+            return known, None
+        if new is not None and len(new) == 1:
+            return new[0], None
+        raise DeviceError(errno.EIO, "cannot determine the fd of the completion channel "
+                          f"({self._pv.describe()}; new event fds: {new})")
+
+    def get_event(self) -> IbvCQ | None:
+        if self._closed:
+            return None
+        reader = self._reader
+        if reader is not None:
+            while True:
+                try:
+                    got = reader.get()
+                except OSError as exc:
+                    raise RDMAError(exc.errno or errno.EIO, str(exc)) from None
+                if got is None:
+                    return None
+                cq_ptr, token = got
+                cq = self._cqs.get(token)
+                if cq is None:  # not ours (cannot happen): keep libibverbs' count right
+                    reader.ack(cq_ptr, 1)
+                    continue
+                cq._cq_ptr = cq_ptr
+                cq._events_got += 1
+                return cq
+        if not self._cqs:
+            return None
+        (cq,) = self._cqs.values()
+        try:
+            self._cc.get_cq_event(cq._cq)
+        except self._pv.Error as exc:
+            code = compat.errno_of(exc, 0)
+            if code in (errno.EAGAIN, errno.EWOULDBLOCK) or not compat.readable(self.fd):
+                return None
+            raise RDMAError(code or errno.EIO, f"ibv_get_cq_event: {exc}") from None
+        cq._events_got += 1
+        return cq
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        if self._cqs:
+            raise RDMAError(errno.EBUSY, f"completion channel still used by {len(self._cqs)} CQ(s)")
+        try:
+            self._cc.close()
+        except self._pv.Error as exc:
+            raise self._ctx._error(exc, "ibv_destroy_comp_channel") from None
+        self._closed = True
+        self._ctx._children.discard(self)
+
+    def __repr__(self) -> str:
+        return f"<IbvCompChannel fd={self.fd}>"

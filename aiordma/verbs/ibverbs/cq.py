@@ -1,0 +1,199 @@
+"""``IbvCQ``: a completion queue, polled through the device's own ``poll_cq`` where
+its C struct is found (package docstring, "Polling completions"), else through pyverbs."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from ...errors import CQOverrunError, RDMAError
+from ..api import CQ
+from ..contract import check_cq_close
+from ..enums import QPState, WCOpcode
+from ..wr import WC
+from . import clib, compat, loader
+
+if TYPE_CHECKING:
+    from .channel import IbvCompChannel
+    from .context import IbvContext
+    from .fastpath import CQPoller
+    from .qp import IbvQP
+
+log = logging.getLogger("aiordma.verbs")
+
+_WC_RECV_BIT = 0x80  # IBV_WC_RECV: every receive opcode has it, no send opcode does
+_POLL_ENTRIES = 64  # struct ibv_wc per poller: the most one poll returns
+
+
+class _Token:
+    """The ``cq_context`` of a CQ: maps a CQ_ERR async event back to its CQ."""
+
+    __slots__ = ("__weakref__",)
+
+
+class IbvCQ(CQ):
+    def __init__(self, ctx: IbvContext, cqe: int, channel: IbvCompChannel | None) -> None:
+        self.context = ctx
+        self._pv = ctx._pv
+        if cqe < 1:
+            raise RDMAError(errno.EINVAL, f"cqe={cqe} must be at least 1")
+        if channel is not None:
+            if channel._ctx is not ctx:
+                raise RDMAError(errno.EINVAL, "completion channel of another device context")
+            if channel._closed:
+                raise RDMAError(errno.EINVAL, "completion channel is closed")
+            if channel._reader is None and channel._cqs:
+                raise RDMAError(errno.EBUSY, "this completion channel can serve one CQ only "
+                                f"(its C struct was not found; {self._pv.describe()})")
+        self._token = _Token()
+        try:
+            self._cq: Any = self._pv.cq.CQ(ctx._ctx, cqe, self._token,
+                                           channel._cc if channel is not None else None, 0)
+        except self._pv.Error as exc:
+            raise ctx._error(exc, f"ibv_create_cq({cqe})") from None
+        self.cqe = int(getattr(self._cq, "cqe", cqe))  # the device may round up
+        self.channel: IbvCompChannel | None = channel
+        # struct ibv_cq *: probed now (for polling through ctypes), else learnt from the
+        # first channel event
+        self._cq_ptr = 0
+        self._poller: clib.CQPoller | CQPoller | None = None
+        self._locate(ctx)
+        self._qps: dict[IbvQP, int] = {}
+        self._events_got = 0
+        self._events_acked = 0
+        self._overrun = False
+        self._closed = False
+        ctx._cqs_by_token[id(self._token)] = self
+        ctx._children.add(self)
+        if channel is not None:
+            channel._cqs[id(self._token)] = self
+
+    def _locate(self, ctx: IbvContext) -> None:
+        """Find this CQ's C struct and poll it from now on through the compiled
+        ``fastpath.CQPoller`` where built, else ``clib.CQPoller`` (ctypes);
+        ``AIORDMA_VERBS_POLL`` = ``ctypes`` or ``pyverbs`` chooses one. pyverbs'
+        ``CQ.poll`` stays the fallback (no context pointer, or the probe found
+        nothing)."""
+        mode = os.environ.get("AIORDMA_VERBS_POLL", "")
+        if not ctx._ctx_ptr or mode == "pyverbs":
+            return
+        try:
+            words = compat.object_words(self._cq)
+        except Exception:  # pragma: no cover - non-CPython
+            return
+        ptr = compat.find_cq_pointer(words, ctx._ctx_ptr, id(self._token), ctx._mem.read)
+        if not ptr:
+            log.debug("aiordma: struct ibv_cq of %r not found; polling through pyverbs", self)
+            return
+        self._cq_ptr = ptr
+        fp = loader.fastpath() if mode != "ctypes" else None
+        if fp is not None:
+            self._poller = fp.CQPoller(ptr, _POLL_ENTRIES)
+            return
+        try:
+            self._poller = clib.CQPoller(ctx._ctx_ptr, ptr, _POLL_ENTRIES)
+        except ValueError as exc:  # pragma: no cover - a provider without poll_cq
+            log.debug("aiordma: %s; polling through pyverbs", exc)
+
+    @property
+    def data_path(self) -> str:
+        """How this CQ is polled: ``"compiled"`` (fastpath), ``"ctypes"`` (clib) or
+        ``"pyverbs"``."""
+        p = self._poller
+        if p is None:
+            return "pyverbs"
+        return "ctypes" if isinstance(p, clib.CQPoller) else "compiled"
+
+    def _overrun_detected(self) -> None:
+        """Completions were lost: the CQ is in error for good, and so is every QP using it
+        (rxe leaves them in RTS; hardware moves them to ERR)."""
+        self._overrun = True
+        for qp in list(self._qps):
+            qp._to_error()
+
+    def poll(self, n: int = 16) -> list[WC]:
+        if self._overrun:
+            raise CQOverrunError()
+        if self._closed:
+            return []
+        raws: Iterable[compat.RawWC]
+        poller = self._poller
+        if poller is not None:
+            rc, raws = poller.poll(n)
+            if rc <= 0:
+                if rc == 0:
+                    return []
+                self._overrun_detected()
+                raise CQOverrunError(f"completion queue overrun (ibv_poll_cq returned {rc})")
+        else:
+            try:
+                _, pwcs = self._cq.poll(n)
+            except self._pv.Error as exc:
+                self._overrun_detected()
+                raise CQOverrunError(f"completion queue overrun (ibv_poll_cq: {exc})") from None
+            if not pwcs:
+                return []
+            raws = [compat.pwc_fields(p) for p in pwcs]
+        qps = self.context._qps
+        out: list[WC] = []
+        for raw in raws:
+            qp = qps.get(raw[6])
+            hint = None
+            if qp is not None:
+                if raw[1] == 0 and raw[2] & _WC_RECV_BIT and qp.recv_cq is self:
+                    # a successful receive (WorkQueues.completed, inlined for the most
+                    # frequent completion): its receive slot comes free
+                    rq = qp._queues.rq
+                    if rq:
+                        rq.popleft()
+                    hint = WCOpcode.RECV
+                else:
+                    ok = raw[1] == 0
+                    hint = qp._queues.completed(raw[0], ok, raw[2], qp.send_cq is self,
+                                                qp.recv_cq is self)
+                    if not ok:  # an error completion means the QP is in ERR now
+                        qp._state = QPState.ERR
+            out.append(compat.wc_from_fields(raw, hint))
+        return out
+
+    def req_notify(self, solicited_only: bool = False) -> None:
+        try:
+            self._cq.req_notify(1 if solicited_only else 0)
+        except self._pv.Error as exc:
+            raise RDMAError(compat.errno_of(exc), f"ibv_req_notify_cq: {exc}") from None
+
+    def ack_events(self, n: int) -> None:
+        n = min(n, self._events_got - self._events_acked)
+        if n <= 0 or self._closed:
+            return
+        ch = self.channel
+        if ch is not None and ch._reader is not None:
+            ch._reader.ack(self._cq_ptr, n)
+        else:
+            self._cq.ack_events(n)
+        self._events_acked += n
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        check_cq_close(len(self._qps), self._events_got, self._events_acked)
+        # Events queued on the channel but not read yet do not block ibv_destroy_cq (the
+        # kernel counts an event as reported when it is read, and drops unread ones).
+        ch = self.channel
+        try:
+            self._cq.close()
+        except self._pv.Error as exc:
+            raise self.context._error(exc, "ibv_destroy_cq") from None
+        self._closed = True
+        if self._poller is not None:
+            self._poller.close()  # its struct ibv_cq is gone
+        if ch is not None:
+            ch._cqs.pop(id(self._token), None)
+        self.context._cqs_by_token.pop(id(self._token), None)
+        self.context._children.discard(self)
+
+    def __repr__(self) -> str:
+        return f"<IbvCQ cqe={self.cqe} polled={self.data_path}>"

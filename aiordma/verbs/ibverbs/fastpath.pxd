@@ -1,0 +1,47 @@
+# cython: language_level=3
+# The C-level interface of the compiled data path (fastpath.pyx), for compiled callers:
+#
+#     from aiordma.verbs.ibverbs.fastpath cimport QPPoster, CQPoller
+#
+# A caller fills the WRs of poster.send_array(n) (the SGE slots of WR i are at
+# wrs[i].sg_list, poster.send_stride of them) and posts them as one chain with
+# post_send_array(n, &posted); it polls into poller.wcs with poll_array(n). No Python
+# object is involved per message; the GIL is not needed by the *_array calls.
+
+from aiordma.verbs.ibverbs.libibverbs cimport (
+    ibv_cq,
+    ibv_qp,
+    ibv_recv_wr,
+    ibv_send_wr,
+    ibv_sge,
+    ibv_wc,
+)
+
+
+cdef class QPPoster:
+    cdef ibv_qp *qp
+    cdef ibv_send_wr *send_wrs
+    cdef ibv_sge *send_sges
+    cdef ibv_recv_wr *recv_wrs
+    cdef ibv_sge *recv_sges
+    # WRs allocated so far; a chain is at most the queue's depth (max_send / max_recv)
+    cdef int send_cap
+    cdef int recv_cap
+    cdef readonly int max_send
+    cdef readonly int max_recv
+    # SGE slots per WR: the QP's max_send_sge / max_recv_sge, at least 1
+    cdef readonly int send_stride
+    cdef readonly int recv_stride
+
+    cdef ibv_send_wr *send_array(self, int n) except NULL
+    cdef ibv_recv_wr *recv_array(self, int n) except NULL
+    cdef int post_send_array(self, int n, int *posted) noexcept nogil
+    cdef int post_recv_array(self, int n, int *posted) noexcept nogil
+
+
+cdef class CQPoller:
+    cdef ibv_cq *cq
+    cdef ibv_wc *wcs
+    cdef readonly int entries
+
+    cdef int poll_array(self, int n) noexcept nogil

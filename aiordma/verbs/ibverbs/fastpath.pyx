@@ -1,0 +1,399 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+"""The compiled data path of the ``verbs`` provider (built from rdma-core's headers where
+they were found, see ``aiordma.native``): work requests built in preallocated C arrays
+of ``struct ibv_send_wr``/``ibv_recv_wr``, chained and posted with one
+``ibv_post_send``/``ibv_post_recv``; completions polled with ``ibv_poll_cq`` into a C
+array of ``struct ibv_wc``. Both run on the ``struct ibv_qp *``/``struct ibv_cq *`` of
+objects that pyverbs created and keeps (creation, state changes, destruction); the
+pointers are found and checked as the package docstring says ("The compiled data
+path"). The verbs facts this relies on are in ``libibverbs.pxd``.
+
+Python-level API, what ``IbvQP``/``IbvCQ`` call: ``QPPoster.post_send(wrs, ops)``,
+``QPPoster.post_recv(wrs)`` (each ``(errno, number posted)``), ``CQPoller.poll(n)``
+(``(count, RawWC tuples)``, as ``clib.CQPoller``). The C-level API, for compiled callers
+that post and poll without a Python object per message, is declared in fastpath.pxd.
+The caller checks the work requests (``verbs/contract.py``) and accounts for the queues;
+this module only refuses what would overrun its own arrays.
+"""
+
+from libc.errno cimport EBADF, EINVAL
+from libc.stdint cimport uint32_t, uintptr_t
+from libc.stdlib cimport calloc, free, realloc
+from libc.string cimport memset
+
+from aiordma.verbs.ibverbs.libibverbs cimport (
+    IBV_WR_ATOMIC_CMP_AND_SWP,
+    IBV_WR_ATOMIC_FETCH_AND_ADD,
+    IBV_WR_RDMA_READ,
+    IBV_WR_RDMA_WRITE,
+    IBV_WR_RDMA_WRITE_WITH_IMM,
+    IBV_WR_SEND_WITH_IMM,
+    ibv_context,
+    ibv_cq,
+    ibv_poll_cq,
+    ibv_post_recv,
+    ibv_post_send,
+    ibv_qp,
+    ibv_recv_wr,
+    ibv_send_wr,
+    ibv_sge,
+    ibv_wc,
+)
+
+
+cdef extern from "<arpa/inet.h>" nogil:
+    uint32_t htonl(uint32_t)
+
+
+_M32 = 0xFFFFFFFF
+_M64 = 0xFFFFFFFFFFFFFFFF
+# first allocation of a WR array (it grows by doubling, up to the queue's depth)
+cdef enum:
+    _FIRST_CAP = 16
+
+
+cdef inline int _grow(int cap, int n, int limit) noexcept nogil:
+    if cap == 0:
+        cap = _FIRST_CAP
+    while cap < n:
+        cap *= 2
+    return limit if cap > limit else cap
+
+
+cdef class QPPoster:
+    """Posts work requests to one QP (``struct ibv_qp *`` as an int) from this object's
+    arrays. ``max_send``/``max_recv``: the QP's queue depths (the longest chain);
+    ``send_sge``/``recv_sge``: its max SGEs per WR. The caller keeps the QP alive and
+    calls ``close()`` before destroying it (``IbvQP`` does): a closed poster posts
+    nothing (EBADF). It holds no Python object, so it never joins a reference cycle
+    (the order in which pyverbs objects die in the cyclic GC decides whether their
+    destruction fails). One thread posts at a time."""
+
+    def __cinit__(self, uintptr_t qp_ptr, int max_send, int max_recv, int send_sge,
+                  int recv_sge):
+        if qp_ptr == 0:
+            raise ValueError("NULL struct ibv_qp *")
+        if max_send < 0 or max_recv < 0 or send_sge < 0 or recv_sge < 0:
+            raise ValueError("negative queue size")
+        self.qp = <ibv_qp *>qp_ptr
+        self.max_send = max_send
+        self.max_recv = max_recv
+        self.send_stride = send_sge if send_sge > 0 else 1
+        self.recv_stride = recv_sge if recv_sge > 0 else 1
+
+    def __dealloc__(self):
+        free(self.send_wrs)
+        free(self.send_sges)
+        free(self.recv_wrs)
+        free(self.recv_sges)
+
+    def close(self):
+        """Post nothing from now on (call it before the QP is destroyed)."""
+        self.qp = NULL
+
+    @property
+    def closed(self):
+        return self.qp == NULL
+
+    @property
+    def qp_ptr(self):
+        return <uintptr_t>self.qp
+
+    # --- C level ---------------------------------------------------------------------
+    cdef ibv_send_wr *send_array(self, int n) except NULL:
+        """At least ``n`` send WRs, each with ``send_stride`` SGE slots at ``sg_list``
+        (kept across calls: only the fields of the opcode posted need setting). Raises
+        ValueError beyond ``max_send``, MemoryError. Earlier arrays may have moved."""
+        cdef int cap, i
+        cdef void *p
+        if n > self.max_send or n < 1:
+            raise ValueError(f"a chain of {n} send WRs (queue depth {self.max_send})")
+        if n > self.send_cap:
+            cap = _grow(self.send_cap, n, self.max_send)
+            p = realloc(self.send_wrs, cap * sizeof(ibv_send_wr))
+            if p == NULL:
+                raise MemoryError()
+            self.send_wrs = <ibv_send_wr *>p
+            p = realloc(self.send_sges, cap * self.send_stride * sizeof(ibv_sge))
+            if p == NULL:
+                raise MemoryError()
+            self.send_sges = <ibv_sge *>p
+            memset(&self.send_wrs[self.send_cap], 0,
+                   (cap - self.send_cap) * sizeof(ibv_send_wr))
+            for i in range(cap):
+                self.send_wrs[i].sg_list = &self.send_sges[i * self.send_stride]
+            self.send_cap = cap
+        return self.send_wrs
+
+    cdef ibv_recv_wr *recv_array(self, int n) except NULL:
+        """``send_array`` for receives (``recv_stride`` SGE slots per WR)."""
+        cdef int cap, i
+        cdef void *p
+        if n > self.max_recv or n < 1:
+            raise ValueError(f"a chain of {n} receive WRs (queue depth {self.max_recv})")
+        if n > self.recv_cap:
+            cap = _grow(self.recv_cap, n, self.max_recv)
+            p = realloc(self.recv_wrs, cap * sizeof(ibv_recv_wr))
+            if p == NULL:
+                raise MemoryError()
+            self.recv_wrs = <ibv_recv_wr *>p
+            p = realloc(self.recv_sges, cap * self.recv_stride * sizeof(ibv_sge))
+            if p == NULL:
+                raise MemoryError()
+            self.recv_sges = <ibv_sge *>p
+            memset(&self.recv_wrs[self.recv_cap], 0,
+                   (cap - self.recv_cap) * sizeof(ibv_recv_wr))
+            for i in range(cap):
+                self.recv_wrs[i].sg_list = &self.recv_sges[i * self.recv_stride]
+            self.recv_cap = cap
+        return self.recv_wrs
+
+    cdef int post_send_array(self, int n, int *posted) noexcept nogil:
+        """Chain the first ``n`` WRs of the send array and post them with one
+        ``ibv_post_send``. Returns 0 or the errno (EBADF once closed); ``*posted`` is
+        how many were posted (on failure, those before ``bad_wr``)."""
+        cdef ibv_send_wr *wrs = self.send_wrs
+        cdef ibv_send_wr *bad = NULL
+        cdef int i, rc
+        posted[0] = 0
+        if self.qp == NULL:
+            return EBADF
+        if n <= 0:
+            return 0
+        if n > self.send_cap:
+            return EINVAL
+        for i in range(n - 1):
+            wrs[i].next = &wrs[i + 1]
+        wrs[n - 1].next = NULL
+        rc = ibv_post_send(self.qp, wrs, &bad)
+        if rc == 0:
+            posted[0] = n
+            return 0
+        if bad != NULL and bad >= wrs and bad < wrs + n:
+            posted[0] = <int>(bad - wrs)
+        return -rc if rc < 0 else rc
+
+    cdef int post_recv_array(self, int n, int *posted) noexcept nogil:
+        """``post_send_array`` for the receive array (``ibv_post_recv``)."""
+        cdef ibv_recv_wr *wrs = self.recv_wrs
+        cdef ibv_recv_wr *bad = NULL
+        cdef int i, rc
+        posted[0] = 0
+        if self.qp == NULL:
+            return EBADF
+        if n <= 0:
+            return 0
+        if n > self.recv_cap:
+            return EINVAL
+        for i in range(n - 1):
+            wrs[i].next = &wrs[i + 1]
+        wrs[n - 1].next = NULL
+        rc = ibv_post_recv(self.qp, wrs, &bad)
+        if rc == 0:
+            posted[0] = n
+            return 0
+        if bad != NULL and bad >= wrs and bad < wrs + n:
+            posted[0] = <int>(bad - wrs)
+        return -rc if rc < 0 else rc
+
+    # --- Python level ----------------------------------------------------------------
+    def post_send(self, list wrs, list ops):
+        """Post ``wrs`` (``verbs.wr.SendWR``, already checked) as one chain, ``ops[i]``
+        being the opcode of ``wrs[i]``: ``(errno or 0, number posted)``. Each WR gets
+        wr_id, opcode, flags, SGEs and what its opcode reads: immediate data (put in
+        network byte order, as ``compat.imm_to_wire``), the RDMA or the atomic part.
+        OverflowError for a field out of range, before anything is posted."""
+        cdef Py_ssize_t n = len(wrs)
+        cdef Py_ssize_t i, j, k
+        cdef ibv_send_wr *arr
+        cdef ibv_send_wr *w
+        cdef ibv_sge *s
+        cdef int op, rc
+        cdef int posted = 0
+        if n == 0:
+            return 0, 0
+        if len(ops) != n:
+            raise ValueError("one opcode per WR")
+        arr = self.send_array(<int>n)
+        for i in range(n):
+            wr = wrs[i]
+            op = ops[i]
+            w = &arr[i]
+            sg = wr.sg_list
+            k = len(sg)
+            if k > self.send_stride:
+                raise ValueError(f"{k} SGEs in a WR; the QP takes {self.send_stride}")
+            s = w.sg_list
+            for j in range(k):
+                e = sg[j]
+                s[j].addr = e.addr
+                s[j].length = e.length
+                s[j].lkey = e.lkey
+            w.num_sge = <int>k
+            w.wr_id = wr.wr_id & _M64
+            w.opcode = op
+            w.send_flags = wr.send_flags
+            if op == IBV_WR_SEND_WITH_IMM or op == IBV_WR_RDMA_WRITE_WITH_IMM:
+                w.imm_data = htonl(<uint32_t>(wr.imm_data & _M32))
+            if op == IBV_WR_RDMA_WRITE or op == IBV_WR_RDMA_WRITE_WITH_IMM \
+                    or op == IBV_WR_RDMA_READ:
+                w.wr.rdma.remote_addr = wr.remote_addr & _M64
+                w.wr.rdma.rkey = wr.rkey & _M32
+            elif op == IBV_WR_ATOMIC_CMP_AND_SWP or op == IBV_WR_ATOMIC_FETCH_AND_ADD:
+                w.wr.atomic.remote_addr = wr.remote_addr & _M64
+                w.wr.atomic.compare_add = wr.compare_add & _M64
+                w.wr.atomic.swap = wr.swap & _M64
+                w.wr.atomic.rkey = wr.rkey & _M32
+        rc = self.post_send_array(<int>n, &posted)
+        return rc, posted
+
+    def post_recv(self, list wrs):
+        """Post ``wrs`` (``verbs.wr.RecvWR``, already checked) as one chain:
+        ``(errno or 0, number posted)``; OverflowError as ``post_send``."""
+        cdef Py_ssize_t n = len(wrs)
+        cdef Py_ssize_t i, j, k
+        cdef ibv_recv_wr *arr
+        cdef ibv_sge *s
+        cdef int rc
+        cdef int posted = 0
+        if n == 0:
+            return 0, 0
+        arr = self.recv_array(<int>n)
+        for i in range(n):
+            wr = wrs[i]
+            sg = wr.sg_list
+            k = len(sg)
+            if k > self.recv_stride:
+                raise ValueError(f"{k} SGEs in a WR; the QP takes {self.recv_stride}")
+            s = arr[i].sg_list
+            for j in range(k):
+                e = sg[j]
+                s[j].addr = e.addr
+                s[j].length = e.length
+                s[j].lkey = e.lkey
+            arr[i].num_sge = <int>k
+            arr[i].wr_id = wr.wr_id & _M64
+        rc = self.post_recv_array(<int>n, &posted)
+        return rc, posted
+
+    def post_send_again(self, int n):
+        """Post the first ``n`` send WRs as the last ``post_send`` left them (what a
+        compiled caller's ``post_send_array`` costs, for benchmarks): ``(errno,
+        posted)``."""
+        cdef int posted = 0
+        cdef int rc = self.post_send_array(n, &posted)
+        return rc, posted
+
+    def post_recv_again(self, int n):
+        """``post_send_again`` for receives."""
+        cdef int posted = 0
+        cdef int rc = self.post_recv_array(n, &posted)
+        return rc, posted
+
+    def __repr__(self):
+        return (f"<QPPoster qp={<uintptr_t>self.qp:#x} send {self.send_cap}/"
+                f"{self.max_send} recv {self.recv_cap}/{self.max_recv}>")
+
+
+cdef class CQPoller:
+    """Polls one CQ (``struct ibv_cq *`` as an int) into this object's array of
+    ``entries`` ``struct ibv_wc``. The caller keeps the CQ alive and calls ``close()``
+    before destroying it (``IbvCQ`` does); no Python object held, as ``QPPoster``. One
+    thread polls at a time."""
+
+    def __cinit__(self, uintptr_t cq_ptr, int entries=64):
+        if cq_ptr == 0:
+            raise ValueError("NULL struct ibv_cq *")
+        if entries < 1:
+            raise ValueError("entries must be at least 1")
+        self.wcs = <ibv_wc *>calloc(entries, sizeof(ibv_wc))
+        if self.wcs == NULL:
+            raise MemoryError()
+        self.cq = <ibv_cq *>cq_ptr
+        self.entries = entries
+
+    def __dealloc__(self):
+        free(self.wcs)
+
+    def close(self):
+        """Poll nothing from now on."""
+        self.cq = NULL
+
+    cdef int poll_array(self, int n) noexcept nogil:
+        """``ibv_poll_cq`` of up to ``n`` (at most ``entries``) completions into
+        ``wcs``: their number, 0 when none (or closed), negative on a CQ error."""
+        if self.cq == NULL or n <= 0:
+            return 0
+        if n > self.entries:
+            n = self.entries
+        return ibv_poll_cq(self.cq, n, self.wcs)
+
+    def poll(self, int n):
+        """Up to ``n`` completions: ``(count, list of RawWC tuples)`` (``compat.RawWC``:
+        wr_id, status, opcode, vendor_err, byte_len, imm_data as on the wire, qp_num,
+        src_qp, wc_flags); a negative count is ibv_poll_cq's error, with no tuples."""
+        cdef int rc = self.poll_array(n)
+        cdef int i
+        cdef ibv_wc *w
+        if rc <= 0:
+            return rc, ()
+        out = []
+        for i in range(rc):
+            w = &self.wcs[i]
+            out.append((w.wr_id, w.status, w.opcode, w.vendor_err, w.byte_len, w.imm_data,
+                        w.qp_num, w.src_qp, w.wc_flags))
+        return rc, out
+
+    def __repr__(self):
+        return f"<CQPoller cq={<uintptr_t>self.cq:#x} entries={self.entries}>"
+
+
+def abi():
+    """Sizes and offsets of the structs this module was compiled against (verbs.h):
+    ``{"struct.member": offset, "sizeof struct": size}``, for the ctypes code and the
+    tests that fake these structs."""
+    cdef ibv_context c
+    cdef ibv_qp q
+    cdef ibv_cq cq
+    cdef ibv_send_wr w
+    cdef ibv_recv_wr r
+    cdef char *b
+    out = {}
+    b = <char *>&c
+    out["ibv_context.ops.poll_cq"] = <char *>&c.ops.poll_cq - b
+    out["ibv_context.ops.post_send"] = <char *>&c.ops.post_send - b
+    out["ibv_context.ops.post_recv"] = <char *>&c.ops.post_recv - b
+    out["ibv_context.cmd_fd"] = <char *>&c.cmd_fd - b
+    out["ibv_context.async_fd"] = <char *>&c.async_fd - b
+    b = <char *>&q
+    out["ibv_qp.context"] = <char *>&q.context - b
+    out["ibv_qp.send_cq"] = <char *>&q.send_cq - b
+    out["ibv_qp.recv_cq"] = <char *>&q.recv_cq - b
+    out["ibv_qp.qp_num"] = <char *>&q.qp_num - b
+    b = <char *>&cq
+    out["ibv_cq.context"] = <char *>&cq.context - b
+    out["ibv_cq.cq_context"] = <char *>&cq.cq_context - b
+    b = <char *>&w
+    out["ibv_send_wr.wr_id"] = <char *>&w.wr_id - b
+    out["ibv_send_wr.next"] = <char *>&w.next - b
+    out["ibv_send_wr.sg_list"] = <char *>&w.sg_list - b
+    out["ibv_send_wr.num_sge"] = <char *>&w.num_sge - b
+    out["ibv_send_wr.opcode"] = <char *>&w.opcode - b
+    out["ibv_send_wr.send_flags"] = <char *>&w.send_flags - b
+    out["ibv_send_wr.imm_data"] = <char *>&w.imm_data - b
+    out["ibv_send_wr.wr.rdma.remote_addr"] = <char *>&w.wr.rdma.remote_addr - b
+    out["ibv_send_wr.wr.rdma.rkey"] = <char *>&w.wr.rdma.rkey - b
+    out["ibv_send_wr.wr.atomic.remote_addr"] = <char *>&w.wr.atomic.remote_addr - b
+    out["ibv_send_wr.wr.atomic.compare_add"] = <char *>&w.wr.atomic.compare_add - b
+    out["ibv_send_wr.wr.atomic.swap"] = <char *>&w.wr.atomic.swap - b
+    out["ibv_send_wr.wr.atomic.rkey"] = <char *>&w.wr.atomic.rkey - b
+    b = <char *>&r
+    out["ibv_recv_wr.wr_id"] = <char *>&r.wr_id - b
+    out["ibv_recv_wr.next"] = <char *>&r.next - b
+    out["ibv_recv_wr.sg_list"] = <char *>&r.sg_list - b
+    out["ibv_recv_wr.num_sge"] = <char *>&r.num_sge - b
+    out["sizeof ibv_send_wr"] = sizeof(ibv_send_wr)
+    out["sizeof ibv_recv_wr"] = sizeof(ibv_recv_wr)
+    out["sizeof ibv_sge"] = sizeof(ibv_sge)
+    out["sizeof ibv_wc"] = sizeof(ibv_wc)
+    return out

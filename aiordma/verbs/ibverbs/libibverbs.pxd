@@ -1,0 +1,106 @@
+# cython: language_level=3
+# The part of rdma-core's <infiniband/verbs.h> that the compiled data path uses: the
+# structs of a post and of a poll, and the three static inline calls of the data path.
+# Only the members named here are declared; the C compiler sees the real structs.
+#
+# Verbs facts this relies on (verbs.h, libibverbs ABI 1, rdma-core 44..65):
+# * ibv_post_send / ibv_post_recv / ibv_poll_cq are static inline functions that call
+#   qp->context->ops.post_send / .post_recv and cq->context->ops.poll_cq: no symbol of
+#   libibverbs is linked; the provider library that pyverbs loaded does the work.
+# * The device copies a posted WR (and its SGE list) before ibv_post_* returns: the
+#   arrays they come from may be rewritten at once.
+# * On failure ibv_post_* return an errno value and set *bad_wr to the first WR not
+#   posted; the WRs before it were posted. They never block.
+# * ibv_poll_cq returns the number of completions written (0: none), negative on error
+#   (the CQ is then in error, e.g. overrun). It never blocks.
+# * A CQ or QP is polled / posted by one thread at a time (the caller's rule).
+
+from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t
+
+
+cdef extern from "<infiniband/verbs.h>" nogil:
+    cdef enum:
+        IBV_WR_RDMA_WRITE
+        IBV_WR_RDMA_WRITE_WITH_IMM
+        IBV_WR_SEND
+        IBV_WR_SEND_WITH_IMM
+        IBV_WR_RDMA_READ
+        IBV_WR_ATOMIC_CMP_AND_SWP
+        IBV_WR_ATOMIC_FETCH_AND_ADD
+
+    # (function pointers, declared as void * for their offsets only)
+    cdef struct ibv_context_ops:
+        void *poll_cq
+        void *post_send
+        void *post_recv
+
+    cdef struct ibv_context:
+        ibv_context_ops ops
+        int cmd_fd
+        int async_fd
+
+    cdef struct ibv_cq:
+        ibv_context *context
+        void *cq_context
+
+    cdef struct ibv_qp:
+        ibv_context *context
+        ibv_cq *send_cq
+        ibv_cq *recv_cq
+        uint32_t qp_num
+
+    cdef struct ibv_sge:
+        uint64_t addr
+        uint32_t length
+        uint32_t lkey
+
+    # the anonymous members of struct ibv_send_wr: these type names never reach C (only
+    # member accesses do)
+    ctypedef struct _ibv_wr_rdma:
+        uint64_t remote_addr
+        uint32_t rkey
+
+    ctypedef struct _ibv_wr_atomic:
+        uint64_t remote_addr
+        uint64_t compare_add
+        uint64_t swap
+        uint32_t rkey
+
+    ctypedef union _ibv_wr_union:
+        _ibv_wr_rdma rdma
+        _ibv_wr_atomic atomic
+
+    cdef struct ibv_send_wr:
+        uint64_t wr_id
+        ibv_send_wr *next
+        ibv_sge *sg_list
+        int num_sge
+        int opcode  # enum ibv_wr_opcode
+        unsigned int send_flags
+        uint32_t imm_data  # __be32, in an anonymous union with invalidate_rkey
+        _ibv_wr_union wr
+
+    cdef struct ibv_recv_wr:
+        uint64_t wr_id
+        ibv_recv_wr *next
+        ibv_sge *sg_list
+        int num_sge
+
+    cdef struct ibv_wc:
+        uint64_t wr_id
+        int status  # enum ibv_wc_status
+        int opcode  # enum ibv_wc_opcode
+        uint32_t vendor_err
+        uint32_t byte_len
+        uint32_t imm_data  # __be32, in an anonymous union with invalidated_rkey
+        uint32_t qp_num
+        uint32_t src_qp
+        unsigned int wc_flags
+        uint16_t pkey_index
+        uint16_t slid
+        uint8_t sl
+        uint8_t dlid_path_bits
+
+    int ibv_post_send(ibv_qp *qp, ibv_send_wr *wr, ibv_send_wr **bad_wr)
+    int ibv_post_recv(ibv_qp *qp, ibv_recv_wr *wr, ibv_recv_wr **bad_wr)
+    int ibv_poll_cq(ibv_cq *cq, int num_entries, ibv_wc *wc)

@@ -1,0 +1,23 @@
+#!/bin/bash
+# Builds aiordma's Cython extensions (aiordma.native.EXTENSIONS) in the guest, in place in
+# /project (its RAM overlay), for the guest's Python against the guest's rdma-core headers;
+# run by guest-init.sh before the command. Every extension must build
+# (AIORDMA_BUILD=compiled) and the compiled verbs path must import, or this fails. The C
+# files cythonize would reuse (a host build's) go first: the guest's Cython writes its own.
+# Usage: guest-build.sh RESULTS_DIR (the build log is left there as build.log).
+set -u
+results=${1:-/tmp}
+cd /project || exit 1
+find aiordma -name '*.pyx' | while read -r pyx; do rm -f "${pyx%.pyx}.c"; done
+rm -f aiordma/_build.json
+start=$SECONDS
+# (build_in_place: the guest's setuptools may be older than pyproject.toml's metadata needs)
+if ! AIORDMA_BUILD=compiled python3 -c 'import setup; setup.build_in_place()' > "$results/build.log" 2>&1; then
+    tail -n 40 "$results/build.log"
+    exit 1
+fi
+python3 -c 'import sys, aiordma.native as n; b = n.build(); print("aiordma-rxe: aiordma build:", b); sys.exit(not b.compiled("verbs"))' \
+    2>&1 | tee -a "$results/build.log"
+[ "${PIPESTATUS[0]}" = 0 ] || exit 1
+echo "aiordma-rxe: built the Cython extensions in $((SECONDS - start)) s (Cython $(python3 -c 'import Cython; print(Cython.__version__)'))" \
+    | tee -a "$results/build.log"

@@ -1,0 +1,227 @@
+"""The compiled data path of the ``verbs`` provider (``verbs/ibverbs/fastpath.pyx``), on
+the host: the provider's QPs and CQs over a fake pyverbs whose C structs are real memory
+(``FakeVerbsABI``: a ``struct ibv_context`` whose ``ops.post_send``/``post_recv``/
+``poll_cq`` are C callbacks that decode what they are given). The same objects on a real
+device run in the Soft-RoCE VM (tests/rxe/), where the tier requires this path.
+
+Skipped where the extension is not built (``make test-native`` builds it, and fails if
+it cannot: ``AIORDMA_EXPECT_BUILD``).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from _fake_pyverbs import FakeVerbsABI, _qp_setup, _to_rts, install_abi, install_fake
+
+from aiordma.errors import PostError
+from aiordma.verbs import SGE, QPCap, RecvWR, SendFlags, SendWR, WCOpcode, WROpcode
+from aiordma.verbs.contract import InvalidWorkRequest
+from aiordma.verbs.ibverbs import compat, loader
+
+fastpath = loader.fastpath()
+pytestmark = pytest.mark.skipif(
+    fastpath is None, reason=f"the compiled data path is not built ({loader.fastpath_error()})")
+
+
+@pytest.fixture
+def fake(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    yield from install_fake(monkeypatch)
+
+
+@pytest.fixture
+def abi(fake: Any, monkeypatch: pytest.MonkeyPatch) -> FakeVerbsABI:
+    monkeypatch.delenv("AIORDMA_VERBS_POST", raising=False)
+    monkeypatch.delenv("AIORDMA_VERBS_POLL", raising=False)
+    return install_abi(fake, monkeypatch, qps=True)
+
+
+def _rts_qp(fake: Any, cap: QPCap | None = None) -> Any:
+    qp = _qp_setup(fake, cap)[-1]
+    assert qp.data_path == "compiled" and "posts=compiled" in repr(qp)
+    _to_rts(qp)
+    return qp
+
+
+def test_the_abi_the_ctypes_code_and_the_fakes_assume_is_the_headers() -> None:
+    """compat's struct offsets (the ctypes paths, the pointer probes) and the layouts
+    FakeVerbsABI decodes are those of the verbs.h the extension was compiled against."""
+    assert fastpath is not None
+    a = fastpath.abi()
+    assert a["ibv_context.ops.poll_cq"] == compat.CTX_OPS_POLL_CQ_OFFSET
+    assert a["ibv_context.ops.post_send"] == compat.CTX_OPS_POST_SEND_OFFSET
+    assert a["ibv_context.ops.post_recv"] == compat.CTX_OPS_POST_RECV_OFFSET
+    assert a["ibv_context.cmd_fd"] == compat.CTX_CMD_FD_OFFSET
+    assert a["ibv_context.async_fd"] == compat.CTX_ASYNC_FD_OFFSET
+    assert (a["ibv_qp.context"], a["ibv_qp.send_cq"], a["ibv_qp.recv_cq"], a["ibv_qp.qp_num"]) \
+        == (0, compat.QP_SEND_CQ_OFFSET, compat.QP_RECV_CQ_OFFSET, compat.QP_QP_NUM_OFFSET)
+    assert (a["ibv_cq.context"], a["ibv_cq.cq_context"]) == (0, compat.CQ_CQ_CONTEXT_OFFSET)
+    assert a["sizeof ibv_wc"] == compat.IBV_WC.size and a["sizeof ibv_sge"] == 16
+    # FakeVerbsABI._post_send / _post_recv
+    assert [a[f"ibv_send_wr.{f}"] for f in ("wr_id", "next", "sg_list", "num_sge", "opcode",
+                                            "send_flags", "imm_data")] == [0, 8, 16, 24, 28, 32, 36]
+    assert (a["ibv_send_wr.wr.rdma.remote_addr"], a["ibv_send_wr.wr.rdma.rkey"]) == (40, 48)
+    assert [a[f"ibv_send_wr.wr.atomic.{f}"] for f in ("remote_addr", "compare_add", "swap",
+                                                      "rkey")] == [40, 48, 56, 64]
+    assert [a[f"ibv_recv_wr.{f}"] for f in ("wr_id", "next", "sg_list", "num_sge")] \
+        == [0, 8, 16, 24]
+
+
+def test_a_chain_is_built_in_c_and_posted_once(abi: FakeVerbsABI, fake: Any) -> None:
+    qp = _rts_qp(fake)
+    wrs = [
+        SendWR(1, WROpcode.SEND_WITH_IMM, [SGE(0x1000, 8, 5), SGE(0x2000, 4, 6)],
+               imm_data=0x01020304, send_flags=0),
+        SendWR(2, WROpcode.RDMA_WRITE, [], rkey=0x77, remote_addr=0x9000),
+        SendWR(3, WROpcode.ATOMIC_FETCH_AND_ADD, [SGE(0x4000, 8, 5)], rkey=0x78,
+               remote_addr=0xA008, compare_add=-1),
+    ]
+    qp.post_send(wrs)
+    (w1, w2, w3), = abi.sends
+    assert qp._qp.sends == []  # pyverbs never saw it
+    assert [w["qp"] for w in (w1, w2, w3)] == [abi.qps[qp.qp_num]] * 3
+    assert [w["wr_id"] for w in (w1, w2, w3)] == [1, 2, 3] and w3["next"] == 0
+    assert w1["opcode"] == 3 and w1["send_flags"] == 0
+    assert w1["sg"] == [(0x1000, 8, 5), (0x2000, 4, 6)]
+    assert w1["imm_data"] == socket.htonl(0x01020304)  # the wire order, as pyverbs'
+    assert w2["num_sge"] == 0 and w2["rdma"] == (0x9000, 0x77)
+    assert w2["send_flags"] == int(SendFlags.SIGNALED)
+    assert w3["atomic"] == (0x78, 0xA008, 0xFFFFFFFFFFFFFFFF, 0) and w3["sg"] == [(0x4000, 8, 5)]
+    assert list(qp._queues.sq) == [(1, False, WCOpcode.SEND), (2, True, WCOpcode.RDMA_WRITE),
+                                   (3, True, WCOpcode.FETCH_ADD)]
+
+
+def test_single_posts_of_every_kind(abi: FakeVerbsABI, fake: Any) -> None:
+    """One WR per post (every endpoint frame): the fields its opcode reads are set, even
+    where the array slot held another opcode before."""
+    qp = _rts_qp(fake)
+    sge = SGE(0x1000, 8, 5)
+    qp.post_send([SendWR(1, WROpcode.RDMA_WRITE_WITH_IMM, [sge], rkey=0x79,
+                         remote_addr=0xB000, imm_data=7)])
+    qp.post_send([SendWR(2, WROpcode.ATOMIC_CMP_AND_SWP, [sge], rkey=0x78,
+                         remote_addr=0xA008, compare_add=5, swap=6)])
+    qp.post_send([SendWR(3, WROpcode.SEND, [SGE(0x2000, 4, 5)], send_flags=SendFlags.INLINE)])
+    qp._queues.sq.clear()  # (their completions)
+    qp.post_send([SendWR(4, WROpcode.RDMA_READ, [sge], rkey=0x7A, remote_addr=0xC000)])
+    (a,), (b,), (c,), (d,) = abi.sends
+    assert (a["opcode"], a["imm_data"], a["rdma"]) == (1, socket.htonl(7), (0xB000, 0x79))
+    assert (b["opcode"], b["atomic"]) == (5, (0x78, 0xA008, 5, 6))
+    assert (c["opcode"], c["send_flags"], c["sg"]) == (2, int(SendFlags.INLINE), [(0x2000, 4, 5)])
+    assert (d["opcode"], d["rdma"], d["num_sge"]) == (4, (0xC000, 0x7A), 1)
+    assert list(qp._queues.sq) == [(4, True, WCOpcode.RDMA_READ)]
+
+
+def test_receives_and_a_refusal_at_bad_wr(abi: FakeVerbsABI, fake: Any) -> None:
+    """A chain the device refuses at WR k: the k before it are posted and accounted for,
+    the error is a PostError with the device's errno."""
+    qp = _rts_qp(fake, QPCap(max_send_wr=8, max_recv_wr=8, max_send_sge=2, max_recv_sge=2,
+                             max_inline_data=64))
+    qp.post_recv([RecvWR(50, [SGE(0x3000, 64, 5)]), RecvWR(51, []),
+                  RecvWR(52, [SGE(0x3040, 32, 5), SGE(0x3080, 32, 6)])])
+    (r1, r2, r3), = abi.recvs
+    assert [(r["wr_id"], r["num_sge"]) for r in (r1, r2, r3)] == [(50, 1), (51, 0), (52, 2)]
+    assert r3["sg"] == [(0x3040, 32, 5), (0x3080, 32, 6)] and qp._qp.recvs == []
+    assert list(qp._queues.rq) == [50, 51, 52]
+    abi.fail_at, abi.fail_errno = 1, errno.ENOMEM
+    with pytest.raises(PostError) as ei:
+        qp.post_recv([RecvWR(60, [SGE(0x3000, 64, 5)]), RecvWR(61, [SGE(0x3000, 64, 5)])])
+    assert ei.value.errno == errno.ENOMEM and list(qp._queues.rq) == [50, 51, 52, 60]
+    ok = [SendWR(i, WROpcode.SEND, [SGE(0x1000, 8, 5)]) for i in (1, 2, 3)]
+    abi.fail_at = 2
+    with pytest.raises(PostError) as ei:
+        qp.post_send(ok)
+    assert ei.value.errno == errno.ENOMEM and [e[0] for e in qp._queues.sq] == [1, 2]
+    abi.fail_at, abi.fail_errno = 0, errno.EINVAL
+    with pytest.raises(PostError) as ei:
+        qp.post_send(ok[:1])
+    assert ei.value.errno == errno.EINVAL and len(qp._queues.sq) == 2
+
+
+def test_out_of_range_fields_post_nothing(abi: FakeVerbsABI, fake: Any) -> None:
+    qp = _rts_qp(fake)
+    bad = [SendWR(1, WROpcode.SEND, [SGE(0x1000, 8, 5)]),
+           SendWR(2, WROpcode.SEND, [SGE(0x1000, 8, 1 << 32)])]
+    for chain in (bad, bad[1:]):
+        with pytest.raises(InvalidWorkRequest, match="out of range"):
+            qp.post_send(chain)
+    with pytest.raises(InvalidWorkRequest, match="out of range"):
+        qp.post_recv([RecvWR(1, [SGE(-1, 8, 5)])])
+    assert abi.sends == [] and abi.recvs == [] and not qp._queues.sq and not qp._queues.rq
+
+
+def test_the_poster_refuses_what_would_overrun_its_arrays(abi: FakeVerbsABI, fake: Any) -> None:
+    """Its own bounds, whatever the caller checked: no chain beyond the queue depth, no
+    WR beyond the QP's SGEs; a closed poster posts nothing."""
+    assert fastpath is not None
+    qp = _rts_qp(fake)
+    p = fastpath.QPPoster(abi.qps[qp.qp_num], 2, 2, 1, 1)
+    one = SendWR(1, WROpcode.SEND, [SGE(0x1000, 8, 5)])
+    with pytest.raises(ValueError, match="queue depth 2"):
+        p.post_send([one] * 3, [WROpcode.SEND] * 3)
+    with pytest.raises(ValueError, match="the QP takes 1"):
+        p.post_send([SendWR(1, WROpcode.SEND, [SGE(0, 1, 1)] * 2)], [WROpcode.SEND])
+    assert p.post_send([one, one], [WROpcode.SEND] * 2) == (0, 2)
+    assert p.post_send_again(2) == (0, 2) and p.post_recv_again(1) == (errno.EINVAL, 0)
+    p.close()
+    assert p.closed and p.post_send([one], [WROpcode.SEND]) == (errno.EBADF, 0)
+    assert [len(c) for c in abi.sends] == [2, 2]
+    with pytest.raises(ValueError):
+        fastpath.QPPoster(0, 1, 1, 1, 1)
+
+
+def test_closing_a_qp_closes_its_poster(abi: FakeVerbsABI, fake: Any) -> None:
+    ctx, pd, ch, cq, rcq, qp = _qp_setup(fake)
+    poster = qp._fast
+    assert poster is not None and not poster.closed
+    qp.close()
+    assert poster.closed and qp._qp.closed
+    poller = cq._poller
+    assert cq.data_path == "compiled"
+    cq.close()
+    assert poller.poll(4) == (0, ())  # closed: polls nothing
+
+
+def test_pyverbs_posts_where_asked(abi: FakeVerbsABI, fake: Any,
+                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AIORDMA_VERBS_POST", "pyverbs")
+    qp = _qp_setup(fake)[-1]
+    assert qp._fast is None and qp.data_path == "pyverbs"
+    _to_rts(qp)
+    qp.post_send([SendWR(1, WROpcode.SEND, [SGE(0x1000, 8, 5)])])
+    assert abi.sends == [] and len(qp._qp.sends) == 1
+
+
+def test_no_struct_found_means_pyverbs(fake: Any) -> None:
+    """The pointer probe finds nothing (here: no context struct): pyverbs posts."""
+    qp = _qp_setup(fake)[-1]
+    assert qp._fast is None and qp.data_path == "pyverbs"
+
+
+def test_a_device_s_objects_use_the_compiled_path(provider_name: str) -> None:
+    """On a real device (the Soft-RoCE VM), the pointer probes find the ``struct
+    ibv_qp``/``ibv_cq`` of pyverbs' objects: where the run requires the compiled verbs
+    path (``AIORDMA_EXPECT_BUILD``, as the VM tier does), every QP and CQ uses it."""
+    if provider_name != "verbs":
+        pytest.skip("needs the verbs provider on a device")
+    if "verbs" not in os.environ.get("AIORDMA_EXPECT_BUILD", "").split(","):
+        pytest.skip("this run does not require the compiled verbs path")
+    from aiordma.verbs import open_context
+
+    ctx: Any = open_context(provider="verbs")
+    try:
+        pd = ctx.alloc_pd()
+        scq, rcq = ctx.create_cq(16), ctx.create_cq(16, ctx.create_comp_channel())
+        qp = pd.create_qp(scq, rcq, QPCap(max_send_wr=4, max_recv_wr=4))
+        assert (qp.data_path, scq.data_path, rcq.data_path) == ("compiled",) * 3, (
+            qp, scq, rcq)
+        assert qp._fast.qp_ptr != 0
+        qp.close()
+        for obj in (scq, rcq, rcq.channel, pd):
+            obj.close()
+    finally:
+        ctx.close()
