@@ -231,7 +231,7 @@ async def connect(host: str, port: int, *, timeout: float = 10.0, **opts: Any) -
                 msg.params.mac, auth.server_mac(secret, hello.mac, msg.params)):
             raise AuthenticationError(f"{where} did not prove the shared secret")
         _check_peer(device, ep, msg.params, writer)
-        _establish(ep, msg.params, writer, "connecting the endpoint")
+        await _establish(ep, msg.params, writer, "connecting the endpoint")
         writer.write(encode_ready())
         await writer.drain()
         ep.start(reader, writer)
@@ -260,16 +260,19 @@ def _check_peer(device: Device, ep: Endpoint, peer: Hello, writer: asyncio.Strea
 #: between two Soft-RoCE guests such a GID was reachable whenever its host answered ARP
 #: for it), then neighbour resolution, waiting for an ARP answer (ETIMEDOUT or
 #: EHOSTUNREACH when none comes: ETIMEDOUT there, connect failing after 7 s;
-#: ENETUNREACH where the lookup fails). The modify blocks the event loop meanwhile.
+#: ENETUNREACH where the lookup fails). The compiled verbs path makes that call in a
+#: thread with the GIL released (``Endpoint.establish``); pyverbs' own modify holds the
+#: GIL, and the event loop then waits as long.
 _UNREACHABLE = frozenset({errno.ENETUNREACH, errno.EHOSTUNREACH, errno.ETIMEDOUT})
 
 
-def _establish(ep: Endpoint, peer: Hello, writer: asyncio.StreamWriter, what: str) -> None:
-    """``ep.establish(peer)``. Raises PeerUnreachable when the device finds no path to
-    the peer's GID (the message says which GIDs and which setup connection),
+async def _establish(ep: Endpoint, peer: Hello, writer: asyncio.StreamWriter,
+                     what: str) -> None:
+    """``await ep.establish(peer)``. Raises PeerUnreachable when the device finds no
+    path to the peer's GID (the message says which GIDs and which setup connection),
     ResourceLimitError when out of descriptors, else what establish raised."""
     try:
-        ep.establish(peer)
+        await ep.establish(peer)
     except OSError as exc:
         if isinstance(exc, RDMAError) and exc.errno in _UNREACHABLE:
             raise _unreachable(ep, peer, writer, exc) from exc

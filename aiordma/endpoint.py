@@ -29,6 +29,8 @@ access or length error raises that typed ``CompletionError``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import secrets
 from collections import deque
 from typing import Any, Final
@@ -113,15 +115,35 @@ class Endpoint:
                      provider=self.provider,
                      flags=HANDSHAKE_FLAG_BATCH | HANDSHAKE_FLAG_LIVENESS)
 
-    def establish(self, peer: Hello) -> None:
-        """Move the QP to RTS towards ``peer``. Raises RDMAError on failure."""
+    async def establish(self, peer: Hello) -> None:
+        """Move the QP to RTS towards ``peer``. Raises RDMAError on failure.
+
+        Where the QP's RTR transition releases the GIL (``QP.modify_releases_gil``: the
+        compiled verbs path, in which the kernel resolves the peer's address, for
+        seconds when nobody answers) it runs in the loop's default executor while the
+        loop goes on. A cancellation then waits for that thread before it propagates,
+        so that the QP is never destroyed under it."""
         self._engine.connect(peer.recv_credits, self._res.recv_depth, peer.eager_size,
                              peer.max_message_size, bool(peer.flags & HANDSHAKE_FLAG_BATCH))
         self.peer_qp_num = peer.qp_num
         self._peer_heartbeat = bool(peer.flags & HANDSHAKE_FLAG_LIVENESS)
-        self._res.connect(peer.gid, peer.lid, peer.qp_num, peer.psn, peer.mtu,
-                          self._gid_index, self._psn, timeout=self._opts.qp_timeout(self.provider),
-                          retry_cnt=self._opts.retry_cnt)
+        connect = functools.partial(
+            self._res.connect, peer.gid, peer.lid, peer.qp_num, peer.psn, peer.mtu,
+            self._gid_index, self._psn, timeout=self._opts.qp_timeout(self.provider),
+            retry_cnt=self._opts.retry_cnt)
+        if not self._res.qp.modify_releases_gil:
+            connect()
+            return
+        fut = self._loop.run_in_executor(None, connect)
+        try:
+            await uncancelled(fut)
+        except asyncio.CancelledError:
+            while not fut.done():  # bounded by the kernel's address-resolution timeout
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.wait((fut,))
+            if not fut.cancelled():
+                fut.exception()  # retrieved: the cancellation is what the caller sees
+            raise
 
     def start(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *,
               accepting: bool = False) -> None:

@@ -208,7 +208,7 @@ class Listener:
                 hello = dataclasses.replace(ep.local_hello(writer.get_extra_info("sockname")[0]),
                                             nonce=nonce)
                 hello = dataclasses.replace(hello, mac=auth.server_mac(secret, msg.mac, hello))
-                _establish(ep, msg, writer, "the listener cannot connect the endpoint")
+                await _establish(ep, msg, writer, "the listener cannot connect the endpoint")
             except (HandshakeError, ResourceLimitError) as exc:
                 _reply(writer, _reject_for(exc))
                 raise

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from aiordma.verbs import MTU, Access, AHAttr, QPAttr, QPCap, QPState
-from aiordma.verbs.ibverbs import compat, loader, provider
+from aiordma.verbs.ibverbs import clib, compat, loader, provider
 from aiordma.verbs.ibverbs import context as ibv_context
 
 
@@ -62,6 +62,11 @@ class FakeVerbsABI:
         post = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
         self._send_cb = post(self._post_send)
         self._recv_cb = post(self._post_recv)
+        self._modify_cb = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                                           ctypes.c_int)(self._modify_qp)
+        self.modifies: list[dict[str, Any]] = []  # what ibv_modify_qp was given
+        self.modify_errno = 0  # what it returns
+        self.qp_objects: dict[int, Any] = {}  # struct ibv_qp * -> fake pyverbs QP
         for off, cb in ((compat.CTX_OPS_POLL_CQ_OFFSET, self._poll_cb),
                         (compat.CTX_OPS_POST_SEND_OFFSET, self._send_cb),
                         (compat.CTX_OPS_POST_RECV_OFFSET, self._recv_cb)):
@@ -91,6 +96,37 @@ class FakeVerbsABI:
         addr = ctypes.addressof(mem)
         self.qps[qp_num] = addr
         return addr
+
+    @property
+    def modify_qp_ptr(self) -> int:
+        """The address of this fake's ``ibv_modify_qp`` (a C callback)."""
+        return ctypes.cast(self._modify_cb, ctypes.c_void_p).value or 0
+
+    def _modify_qp(self, qp: int, attr: int, mask: int) -> int:
+        """Decode the ``struct ibv_qp_attr`` at the offsets of the headers the compiled
+        path was built against (it alone calls this); on success the fake pyverbs QP
+        takes the new state, as the kernel's would."""
+        fp = loader.fastpath()
+        assert fp is not None
+        a = fp.abi()
+
+        def u(field: str, fmt: str) -> int:
+            off = a[f"ibv_qp_attr.{field}"]
+            return int(struct.unpack_from(fmt, ctypes.string_at(attr + off, 4))[0])
+        d: dict[str, Any] = {f: u(f, "=I") for f in ("qp_state", "path_mtu", "rq_psn",
+                                                      "dest_qp_num")}
+        d.update({f: u(f, "=B") for f in ("ah_attr.grh.sgid_index", "ah_attr.grh.hop_limit",
+                                          "ah_attr.sl", "ah_attr.is_global",
+                                          "ah_attr.port_num", "max_dest_rd_atomic",
+                                          "min_rnr_timer")})
+        d["ah_attr.dlid"] = u("ah_attr.dlid", "=H")
+        d["ah_attr.grh.dgid"] = ctypes.string_at(attr + a["ibv_qp_attr.ah_attr.grh.dgid"], 16)
+        d["mask"], d["qp"] = mask, qp
+        self.modifies.append(d)
+        if self.modify_errno:
+            return self.modify_errno
+        self.qp_objects[qp].state = d["qp_state"]
+        return 0
 
     def _poll(self, cq: int, n: int, wc: int) -> int:
         self.calls.append((cq, n))
@@ -457,15 +493,27 @@ def install_abi(fake: Any, monkeypatch: pytest.MonkeyPatch, qps: bool = False) -
         (fcq,) = [f for f in created if id(f.cq_context) == token]
         return c.new_cq(fcq, token)
 
+    qps_made: list[Any] = []
+    real_qp = fake.qp.QP
+
+    def make_qp(*args: Any, **kw: Any) -> Any:
+        fqp = real_qp(*args, **kw)
+        qps_made.append(fqp)
+        return fqp
+
     def find_qp(words: Any, ctx_ptr: int, qp_num: int, send_cq: int, recv_cq: int,
                 read: Any) -> int:
         assert ctx_ptr == c.ptr and send_cq in c.cqs and recv_cq in c.cqs
-        return c.new_qp(qp_num, send_cq, recv_cq)
+        ptr = c.new_qp(qp_num, send_cq, recv_cq)
+        c.qp_objects[ptr] = qps_made[-1]  # IbvQP looks for it right after creating it
+        return ptr
 
     monkeypatch.setattr(fake.cq, "CQ", make_cq)
     monkeypatch.setattr(compat, "find_cq_pointer", find_cq)
     if qps:
+        monkeypatch.setattr(fake.qp, "QP", make_qp)
         monkeypatch.setattr(compat, "find_qp_pointer", find_qp)
+        monkeypatch.setattr(clib, "modify_qp_address", lambda: c.modify_qp_ptr)
     monkeypatch.setattr(ibv_context.IbvContext, "_find_ctx_ptr", lambda self: c.ptr)
     # the async fd is read from the (fake) context struct: make it the fake's pipe
     struct.pack_into("=i", c.ctx, compat.CTX_ASYNC_FD_OFFSET, fake.async_pipe[0])

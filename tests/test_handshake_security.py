@@ -268,12 +268,12 @@ async def test_no_path_to_the_peers_gid_is_named(opts: dict, side: str,
     real = Endpoint.establish
     calls: list[str] = []
 
-    def establish(self: Endpoint, peer: Hello) -> None:
+    async def establish(self: Endpoint, peer: Hello) -> None:
         calls.append("listener" if not calls else "client")  # the listener's comes first
         if calls[-1] == side:
             raise aiordma.RDMAError(errno.ENETUNREACH,
                                     "ibv_modify_qp INIT->RTR: Network is unreachable")
-        real(self, peer)
+        await real(self, peer)
 
     monkeypatch.setattr(Endpoint, "establish", establish)
     async with listening(opts) as listener:

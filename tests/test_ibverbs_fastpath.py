@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from _fake_pyverbs import FakeVerbsABI, _qp_setup, _to_rts, install_abi, install_fake
+from _fake_pyverbs import V4GID, FakeVerbsABI, _qp_setup, _to_rts, install_abi, install_fake
 
 from aiordma.errors import PostError
 from aiordma.verbs import SGE, QPCap, RecvWR, SendFlags, SendWR, WCOpcode, WROpcode
@@ -225,3 +225,73 @@ def test_a_device_s_objects_use_the_compiled_path(provider_name: str) -> None:
             obj.close()
     finally:
         ctx.close()
+
+
+# -- INIT -> RTR in C ----------------------------------------------------------------------
+# enum ibv_qp_attr_mask (verbs.h): STATE, AV, PATH_MTU, RQ_PSN, MIN_RNR_TIMER,
+# MAX_DEST_RD_ATOMIC, DEST_QPN
+_RTR_MASK = 1 << 0 | 1 << 7 | 1 << 8 | 1 << 12 | 1 << 15 | 1 << 17 | 1 << 20
+
+
+def test_init_to_rtr_is_one_ibv_modify_qp_call_made_in_c(abi: FakeVerbsABI, fake: Any) -> None:
+    """The compiled path moves a QP to RTR with one ibv_modify_qp of its own (the struct
+    filled in C at the headers' offsets, the attributes clamped as the pyverbs path
+    clamps them); pyverbs' modify is not called for it."""
+    qp = _rts_qp(fake)
+    assert qp.modify_releases_gil
+    (m,) = abi.modifies
+    assert (m["qp_state"], m["path_mtu"], m["dest_qp_num"], m["rq_psn"]) == (2, 3, 0x22, 7)
+    assert m["max_dest_rd_atomic"] == 8  # the device's max_qp_rd_atom
+    assert (m["ah_attr.is_global"], m["ah_attr.grh.sgid_index"], m["ah_attr.grh.hop_limit"],
+            m["ah_attr.port_num"], m["ah_attr.dlid"]) == (1, 1, 64, 1, 0)
+    assert m["ah_attr.grh.dgid"] == compat.gid_from_str(V4GID)
+    assert m["mask"] == _RTR_MASK and m["qp"] == qp._fast.qp_ptr
+    assert [a.qp_state for a, _ in qp._qp.modified] == [1, 3]  # INIT, RTS through pyverbs
+
+
+def test_a_failed_rtr_raises_its_errno_and_leaves_the_qp_in_init(abi: FakeVerbsABI,
+                                                                  fake: Any) -> None:
+    from aiordma.errors import RDMAError
+    from aiordma.verbs import MTU, Access, AHAttr, QPAttr, QPState
+    qp = _qp_setup(fake)[-1]
+    qp.modify(QPAttr(QPState.INIT, qp_access_flags=Access.LOCAL_WRITE))
+    abi.modify_errno = errno.ETIMEDOUT  # no ARP answer for the destination
+    with pytest.raises(RDMAError) as info:
+        qp.modify(QPAttr(QPState.RTR, path_mtu=MTU.MTU_1024, dest_qp_num=5,
+                         ah_attr=AHAttr(dgid=compat.gid_from_str(V4GID), sgid_index=1)))
+    assert info.value.errno == errno.ETIMEDOUT and "INIT->RTR" in str(info.value)
+    assert qp.state == QPState.INIT
+
+
+def test_modify_rtr_releases_the_gil_for_the_call() -> None:
+    """``modify_rtr`` calls the function it is given with the GIL released: here libc's
+    ``usleep``, which takes the "QP pointer" (its first argument) as microseconds. A
+    thread holding the GIL for the call would keep this one from running until it ended,
+    and then set ``done`` before giving the GIL up."""
+    import ctypes
+    import threading
+    import time
+    assert fastpath is not None
+    usleep = ctypes.cast(ctypes.CDLL(None).usleep, ctypes.c_void_p).value
+    assert usleep
+    poster = fastpath.QPPoster(900_000, 1, 1, 1, 1)  # 0.9 s
+    entered, done = threading.Event(), threading.Event()
+    rcs: list[int] = []
+
+    def call() -> None:
+        entered.set()
+        rcs.append(poster.modify_rtr(usleep, 3, 1, 0, 0, 0, bytes(16), 1, 0, 0, 0, 64, 1))
+        done.set()
+    t = threading.Thread(target=call)
+    t.start()
+    assert entered.wait(10)
+    time.sleep(0.1)  # returns while the call runs only if the GIL was released
+    ran_meanwhile = not done.is_set()
+    t.join(10)
+    assert ran_meanwhile and rcs == [0]
+    with pytest.raises(ValueError):
+        poster.modify_rtr(usleep, 3, 1, 0, 0, 0, bytes(15), 1, 0, 0, 0, 64, 1)
+    with pytest.raises(ValueError):
+        poster.modify_rtr(0, 3, 1, 0, 0, 0, bytes(16), 1, 0, 0, 0, 64, 1)
+    poster.close()
+    assert poster.modify_rtr(usleep, 3, 1, 0, 0, 0, bytes(16), 1, 0, 0, 0, 64, 1) == errno.EBADF

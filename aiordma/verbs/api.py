@@ -250,6 +250,14 @@ class QP(abc.ABC):
     def state(self) -> QPState:
         """The current state (ERR after an error completion or ``modify`` to ERR)."""
 
+    @property
+    def modify_releases_gil(self) -> bool:
+        """True when ``modify`` to RTR releases the GIL while it waits: on RoCE the
+        kernel resolves the destination GID's address there (up to seconds when the
+        peer does not answer), so a caller on an event loop may run it in a thread.
+        False (the default): it is quick, or holds the GIL anyway."""
+        return False
+
     @abc.abstractmethod
     def modify(self, attr: QPAttr) -> None:
         """Transition to ``attr.qp_state``; illegal transitions raise RDMAError (EINVAL).

@@ -73,6 +73,19 @@ def libibverbs() -> Any:
     return _lib
 
 
+def modify_qp_address() -> int:
+    """The address of the process's ``ibv_modify_qp`` (0 when libibverbs is not loaded),
+    for the compiled RTR transition (``fastpath.QPPoster.modify_rtr``), which calls it
+    with the GIL released."""
+    lib = libibverbs()
+    if lib is None:
+        return 0
+    try:
+        return ctypes.cast(lib.ibv_modify_qp, ctypes.c_void_p).value or 0
+    except AttributeError:  # pragma: no cover - every libibverbs has it
+        return 0
+
+
 def element_port(element: int | None) -> int:
     """The ``port_num`` member of the element union (the low 32 bits, little-endian)."""
     return ctypes.c_int.from_buffer_copy(ctypes.c_void_p(element or 0)).value

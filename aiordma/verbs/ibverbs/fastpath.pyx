@@ -19,9 +19,17 @@ this module only refuses what would overrun its own arrays.
 from libc.errno cimport EBADF, EINVAL
 from libc.stdint cimport uint32_t, uintptr_t
 from libc.stdlib cimport calloc, free, realloc
-from libc.string cimport memset
+from libc.string cimport memcpy, memset
 
 from aiordma.verbs.ibverbs.libibverbs cimport (
+    IBV_QP_AV,
+    IBV_QP_DEST_QPN,
+    IBV_QP_MAX_DEST_RD_ATOMIC,
+    IBV_QP_MIN_RNR_TIMER,
+    IBV_QP_PATH_MTU,
+    IBV_QP_RQ_PSN,
+    IBV_QP_STATE,
+    IBV_QPS_RTR,
     IBV_WR_ATOMIC_CMP_AND_SWP,
     IBV_WR_ATOMIC_FETCH_AND_ADD,
     IBV_WR_RDMA_READ,
@@ -30,10 +38,12 @@ from aiordma.verbs.ibverbs.libibverbs cimport (
     IBV_WR_SEND_WITH_IMM,
     ibv_context,
     ibv_cq,
+    ibv_modify_qp_fn,
     ibv_poll_cq,
     ibv_post_recv,
     ibv_post_send,
     ibv_qp,
+    ibv_qp_attr,
     ibv_recv_wr,
     ibv_send_wr,
     ibv_sge,
@@ -98,6 +108,47 @@ cdef class QPPoster:
     @property
     def qp_ptr(self):
         return <uintptr_t>self.qp
+
+    def modify_rtr(self, uintptr_t modify_qp, int path_mtu, uint32_t dest_qp_num,
+                   uint32_t rq_psn, int max_dest_rd_atomic, int min_rnr_timer,
+                   const unsigned char[:] dgid, int is_global, int dlid, int sl,
+                   int sgid_index, int hop_limit, int port_num):
+        """``ibv_modify_qp`` INIT -> RTR with these attributes (their verbs meaning; the
+        caller checked and clamped them), through ``modify_qp``: the address of
+        libibverbs' ``ibv_modify_qp``. The GIL is released for the call: on RoCE the
+        kernel resolves ``dgid``'s address to a MAC address there, waiting up to seconds
+        for an answer, and other threads (an event loop) run meanwhile. Returns 0 or the
+        errno value ibv_modify_qp returned; EBADF once closed. Raises ValueError for a
+        ``dgid`` that is not 16 bytes or a NULL ``modify_qp``. The caller keeps the QP
+        alive (and this poster open) until the call returns."""
+        cdef ibv_qp_attr attr
+        cdef ibv_modify_qp_fn fn = <ibv_modify_qp_fn>modify_qp
+        cdef ibv_qp *qp = self.qp
+        cdef int rc
+        if modify_qp == 0:
+            raise ValueError("NULL ibv_modify_qp")
+        if dgid.shape[0] != 16:
+            raise ValueError(f"a GID is 16 bytes, not {dgid.shape[0]}")
+        if qp == NULL:
+            return EBADF
+        memset(&attr, 0, sizeof(attr))
+        attr.qp_state = IBV_QPS_RTR
+        attr.path_mtu = path_mtu
+        attr.dest_qp_num = dest_qp_num
+        attr.rq_psn = rq_psn
+        attr.max_dest_rd_atomic = <unsigned char>max_dest_rd_atomic
+        attr.min_rnr_timer = <unsigned char>min_rnr_timer
+        memcpy(attr.ah_attr.grh.dgid.raw, &dgid[0], 16)
+        attr.ah_attr.grh.sgid_index = <unsigned char>sgid_index
+        attr.ah_attr.grh.hop_limit = <unsigned char>hop_limit
+        attr.ah_attr.is_global = <unsigned char>is_global
+        attr.ah_attr.dlid = <unsigned short>dlid
+        attr.ah_attr.sl = <unsigned char>sl
+        attr.ah_attr.port_num = <unsigned char>port_num
+        with nogil:
+            rc = fn(qp, &attr, IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN
+                    | IBV_QP_RQ_PSN | IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER)
+        return rc
 
     # --- C level ---------------------------------------------------------------------
     cdef ibv_send_wr *send_array(self, int n) except NULL:
@@ -357,6 +408,7 @@ def abi():
     cdef ibv_cq cq
     cdef ibv_send_wr w
     cdef ibv_recv_wr r
+    cdef ibv_qp_attr a
     cdef char *b
     out = {}
     b = <char *>&c
@@ -392,6 +444,21 @@ def abi():
     out["ibv_recv_wr.next"] = <char *>&r.next - b
     out["ibv_recv_wr.sg_list"] = <char *>&r.sg_list - b
     out["ibv_recv_wr.num_sge"] = <char *>&r.num_sge - b
+    b = <char *>&a
+    out["ibv_qp_attr.qp_state"] = <char *>&a.qp_state - b
+    out["ibv_qp_attr.path_mtu"] = <char *>&a.path_mtu - b
+    out["ibv_qp_attr.rq_psn"] = <char *>&a.rq_psn - b
+    out["ibv_qp_attr.dest_qp_num"] = <char *>&a.dest_qp_num - b
+    out["ibv_qp_attr.ah_attr.grh.dgid"] = <char *>&a.ah_attr.grh.dgid - b
+    out["ibv_qp_attr.ah_attr.grh.sgid_index"] = <char *>&a.ah_attr.grh.sgid_index - b
+    out["ibv_qp_attr.ah_attr.grh.hop_limit"] = <char *>&a.ah_attr.grh.hop_limit - b
+    out["ibv_qp_attr.ah_attr.dlid"] = <char *>&a.ah_attr.dlid - b
+    out["ibv_qp_attr.ah_attr.sl"] = <char *>&a.ah_attr.sl - b
+    out["ibv_qp_attr.ah_attr.is_global"] = <char *>&a.ah_attr.is_global - b
+    out["ibv_qp_attr.ah_attr.port_num"] = <char *>&a.ah_attr.port_num - b
+    out["ibv_qp_attr.max_dest_rd_atomic"] = <char *>&a.max_dest_rd_atomic - b
+    out["ibv_qp_attr.min_rnr_timer"] = <char *>&a.min_rnr_timer - b
+    out["sizeof ibv_qp_attr"] = sizeof(ibv_qp_attr)
     out["sizeof ibv_send_wr"] = sizeof(ibv_send_wr)
     out["sizeof ibv_recv_wr"] = sizeof(ibv_recv_wr)
     out["sizeof ibv_sge"] = sizeof(ibv_sge)

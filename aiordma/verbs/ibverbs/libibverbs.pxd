@@ -101,6 +101,51 @@ cdef extern from "<infiniband/verbs.h>" nogil:
         uint8_t sl
         uint8_t dlid_path_bits
 
+    # INIT -> RTR, the one state change made here (fastpath.QPPoster.modify_rtr): an
+    # ibv_modify_qp call, a libibverbs symbol reached through a function pointer that
+    # the caller found in the process's libibverbs (clib.libibverbs), so that the GIL is
+    # released while the kernel resolves the destination GID's address (RoCE: ARP or
+    # neighbour discovery, up to seconds when nobody answers).
+    cdef enum:
+        IBV_QPS_RTR
+        IBV_QP_STATE
+        IBV_QP_AV
+        IBV_QP_PATH_MTU
+        IBV_QP_DEST_QPN
+        IBV_QP_RQ_PSN
+        IBV_QP_MAX_DEST_RD_ATOMIC
+        IBV_QP_MIN_RNR_TIMER
+
+    cdef union ibv_gid:
+        uint8_t raw[16]
+
+    cdef struct ibv_global_route:
+        ibv_gid dgid
+        uint32_t flow_label
+        uint8_t sgid_index
+        uint8_t hop_limit
+        uint8_t traffic_class
+
+    cdef struct ibv_ah_attr:
+        ibv_global_route grh
+        uint16_t dlid
+        uint8_t sl
+        uint8_t is_global
+        uint8_t port_num
+
+    cdef struct ibv_qp_attr:
+        int qp_state  # enum ibv_qp_state
+        int path_mtu  # enum ibv_mtu
+        uint32_t rq_psn
+        uint32_t dest_qp_num
+        ibv_ah_attr ah_attr
+        uint8_t max_dest_rd_atomic
+        uint8_t min_rnr_timer
+
     int ibv_post_send(ibv_qp *qp, ibv_send_wr *wr, ibv_send_wr **bad_wr)
     int ibv_post_recv(ibv_qp *qp, ibv_recv_wr *wr, ibv_recv_wr **bad_wr)
     int ibv_poll_cq(ibv_cq *cq, int num_entries, ibv_wc *wc)
+
+
+# ibv_modify_qp's type (a function pointer: see the INIT -> RTR note above)
+ctypedef int (*ibv_modify_qp_fn)(ibv_qp *qp, ibv_qp_attr *attr, int attr_mask) noexcept nogil

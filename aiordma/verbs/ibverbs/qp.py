@@ -21,7 +21,7 @@ from ..api import QP, AHAttr, QPAttr, QPCap
 from ..contract import InvalidWorkRequest, check_recv_wrs, check_send_wr
 from ..enums import WC_OPCODE_FOR_WR, LinkLayer, QPState, SendFlags
 from ..wr import RecvWR, SendWR
-from . import compat, loader
+from . import clib, compat, loader
 from .pyverbs_wrs import PyverbsWRs
 
 if TYPE_CHECKING:
@@ -108,29 +108,53 @@ class IbvQP(QP):
         return st
 
     # --- modify --------------------------------------------------------------------------
-    def _ah_attr(self, ah: AHAttr, port: Any) -> Any:
-        pv = self._pv
+    def _route(self, ah: AHAttr, port: Any) -> tuple[bytes, bool, int]:
+        """``(dgid, is_global, dlid)`` of the address vector towards ``ah`` from
+        ``port``: RoCE packets all carry a GRH (IP header) and no LID; InfiniBand
+        addresses by LID, with a GRH only without a LID or towards another subnet."""
         ib = int(port.link_layer) == int(LinkLayer.INFINIBAND)
         dgid = bytes(ah.dgid)
         if len(dgid) != 16:
             raise RDMAError(errno.EINVAL, "ah_attr.dgid must be 16 bytes")
-        if ib:
-            # LID addressing; a GRH only without a LID or towards another subnet.
-            need_grh = ah.dlid == 0
-            if not need_grh and ah.is_global and dgid != compat.ZERO_GID:
-                try:
-                    local = self._ctx.query_gid(ah.port_num or 1, ah.sgid_index)
-                except RDMAError:
-                    local = dgid
-                need_grh = local[:8] != dgid[:8]
-        else:
-            need_grh = True  # RoCE: every packet carries a GRH (IP header)
-        if need_grh:
+        if not ib:
+            return dgid, True, 0
+        need_grh = ah.dlid == 0
+        if not need_grh and ah.is_global and dgid != compat.ZERO_GID:
+            try:
+                local = self._ctx.query_gid(ah.port_num or 1, ah.sgid_index)
+            except RDMAError:
+                local = dgid
+            need_grh = local[:8] != dgid[:8]
+        return dgid, need_grh, ah.dlid
+
+    def _ah_attr(self, ah: AHAttr, port: Any) -> Any:
+        pv = self._pv
+        dgid, is_global, dlid = self._route(ah, port)
+        if is_global:
             gr = pv.addr.GlobalRoute(dgid=pv.addr.GID(_gid_str(dgid)),
                                      sgid_index=ah.sgid_index, hop_limit=ah.hop_limit or 64)
-            return pv.addr.AHAttr(dlid=ah.dlid if ib else 0, sl=ah.sl, is_global=1,
+            return pv.addr.AHAttr(dlid=dlid, sl=ah.sl, is_global=1,
                                   port_num=ah.port_num or 1, gr=gr)
-        return pv.addr.AHAttr(dlid=ah.dlid, sl=ah.sl, is_global=0, port_num=ah.port_num or 1)
+        return pv.addr.AHAttr(dlid=dlid, sl=ah.sl, is_global=0, port_num=ah.port_num or 1)
+
+    @property
+    def modify_releases_gil(self) -> bool:
+        """True when INIT -> RTR runs in C with the GIL released (the compiled path and
+        libibverbs' ``ibv_modify_qp`` were found): that transition may wait seconds for
+        the kernel's address resolution, and an event loop can run it in a thread."""
+        return self._fast is not None and clib.modify_qp_address() != 0
+
+    def _modify_rtr_compiled(self, attr: QPAttr, ah: AHAttr, port: Any, path_mtu: int,
+                             max_dest_rd_atomic: int) -> None:
+        """INIT -> RTR through ``fastpath.QPPoster.modify_rtr`` (GIL released)."""
+        assert self._fast is not None
+        dgid, is_global, dlid = self._route(ah, port)
+        rc = self._fast.modify_rtr(
+            clib.modify_qp_address(), path_mtu, attr.dest_qp_num & 0xFFFFFF,
+            attr.rq_psn & 0xFFFFFF, max_dest_rd_atomic, attr.min_rnr_timer, dgid,
+            int(is_global), dlid, ah.sl, ah.sgid_index, ah.hop_limit or 64, ah.port_num or 1)
+        if rc:
+            raise RDMAError(rc, f"ibv_modify_qp INIT->RTR: {os.strerror(rc)}")
 
     def modify(self, attr: QPAttr) -> None:
         if self._closed:
@@ -153,10 +177,16 @@ class IbvQP(QP):
                     raise RDMAError(errno.EINVAL, "INIT->RTR needs ah_attr")
                 port = self._ctx._port_attr(ah.port_num or attr.port_num or 1)
                 dattr = self._ctx.query_device()
-                pa.path_mtu = min(int(attr.path_mtu), int(port.active_mtu))
+                path_mtu = min(int(attr.path_mtu), int(port.active_mtu))
+                rd_atomic = max(0, min(attr.max_dest_rd_atomic, dattr.max_qp_rd_atom))
+                if self.modify_releases_gil:
+                    self._modify_rtr_compiled(attr, ah, port, path_mtu, rd_atomic)
+                    self._state = new
+                    return
+                pa.path_mtu = path_mtu
                 pa.dest_qp_num = attr.dest_qp_num & 0xFFFFFF
                 pa.rq_psn = attr.rq_psn & 0xFFFFFF
-                pa.max_dest_rd_atomic = max(0, min(attr.max_dest_rd_atomic, dattr.max_qp_rd_atom))
+                pa.max_dest_rd_atomic = rd_atomic
                 pa.min_rnr_timer = attr.min_rnr_timer
                 pa.ah_attr = self._ah_attr(ah, port)
                 mask |= (e["IBV_QP_AV"] | e["IBV_QP_PATH_MTU"] | e["IBV_QP_DEST_QPN"]
