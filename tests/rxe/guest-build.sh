@@ -4,20 +4,44 @@
 # run by guest-init.sh before the command. Every extension must build
 # (AIORDMA_BUILD=compiled) and the compiled verbs path must import, or this fails. The C
 # files cythonize would reuse (a host build's) go first: the guest's Cython writes its own.
+# A build the host kept for these sources and this image (run-vm.sh: /run/rxectl/native.tar)
+# is installed instead when it passes the same import check; after a build of its own the
+# guest leaves RESULTS_DIR/native.tar for the host to keep.
 # Usage: guest-build.sh RESULTS_DIR (the build log is left there as build.log).
 set -u
 results=${1:-/tmp}
+kept=/run/rxectl/native.tar
 cd /project || exit 1
+: > "$results/build.log"
+
+# check: the compiled verbs path imports (and what aiordma.native says of the build)
+check() {
+    python3 -c 'import sys, aiordma.native as n; b = n.build(); print("aiordma-rxe: aiordma build:", b); sys.exit(not b.compiled("verbs"))' \
+        2>&1 | tee -a "$results/build.log"
+    [ "${PIPESTATUS[0]}" = 0 ]
+}
+
+if [ -s "$kept" ]; then
+    if tar -xf "$kept" -C /project >> "$results/build.log" 2>&1 && check; then
+        echo "aiordma-rxe: installed the kept build of these sources (run-vm.sh's native cache)" \
+            | tee -a "$results/build.log"
+        exit 0
+    fi
+    echo "aiordma-rxe: the kept build does not import here: building" | tee -a "$results/build.log"
+    find aiordma -name '*.so' -delete
+fi
+
 find aiordma -name '*.pyx' | while read -r pyx; do rm -f "${pyx%.pyx}.c"; done
 rm -f aiordma/_build.json
 start=$SECONDS
 # (build_in_place: the guest's setuptools may be older than pyproject.toml's metadata needs)
-if ! AIORDMA_BUILD=compiled python3 -c 'import setup; setup.build_in_place()' > "$results/build.log" 2>&1; then
+if ! AIORDMA_BUILD=compiled python3 -c 'import setup; setup.build_in_place()' >> "$results/build.log" 2>&1; then
     tail -n 40 "$results/build.log"
     exit 1
 fi
-python3 -c 'import sys, aiordma.native as n; b = n.build(); print("aiordma-rxe: aiordma build:", b); sys.exit(not b.compiled("verbs"))' \
-    2>&1 | tee -a "$results/build.log"
-[ "${PIPESTATUS[0]}" = 0 ] || exit 1
+check || exit 1
 echo "aiordma-rxe: built the Cython extensions in $((SECONDS - start)) s (Cython $(python3 -c 'import Cython; print(Cython.__version__)'))" \
     | tee -a "$results/build.log"
+# for the host to keep: the extensions and the build record, paths relative to /project
+find aiordma -name '*.so' -print0 | tar -cf "$results/native.tar" --null -T - aiordma/_build.json \
+    2>> "$results/build.log" || rm -f "$results/native.tar"

@@ -62,8 +62,8 @@ environment: AIORDMA_RXE_SUITE (forky|bookworm), AIORDMA_RXE_CACHE, AIORDMA_RXE_
 AIORDMA_RXE_MIRROR, AIORDMA_RXE_RESULTS, AIORDMA_RXE_QUIET, AIORDMA_RXE_KEEP,
 AIORDMA_RXE_MEM, AIORDMA_RXE_SMP, AIORDMA_RXE_ACCEL, AIORDMA_RXE_EXTRA_PACKAGES,
 AIORDMA_RXE_PARALLEL, AIORDMA_RXE_BOOT_TRIES, AIORDMA_RXE_ADDR, AIORDMA_RXE_GATEWAY,
-AIORDMA_RXE_LINK, AIORDMA_RXE_MAC, AIORDMA_RXE_MTU, AIORDMA_RXE_PEER, AIORDMA_RXE_NAME
-(see tests/rxe/README.md)
+AIORDMA_RXE_LINK, AIORDMA_RXE_MAC, AIORDMA_RXE_MTU, AIORDMA_RXE_PEER, AIORDMA_RXE_NAME,
+AIORDMA_RXE_NATIVE_CACHE (see tests/rxe/README.md)
 EOF
 }
 
@@ -505,6 +505,46 @@ guest_settings() {
         "$GATEWAY" "$NIC_MTU" "$PEER" "$NAME"
 }
 
+# ---- the guest's build, kept ---------------------------------------------------------
+# guest-build.sh compiles aiordma's Cython extensions in every guest (a minute or more
+# under TCG). What it built is kept per image and sources, in $CACHE_ROOT/SUITE/native-KEY
+# (files.tar: the extensions and aiordma/_build.json), and a later run of the same
+# sources in the same image installs that instead (guest-build.sh checks that it
+# imports, and builds when it does not). AIORDMA_RXE_NATIVE_CACHE=0 always builds.
+NATIVE_DIR=""
+
+# native_key: what the guest's build depends on: the image (its Python, Cython and
+# rdma-core headers) and the build's sources.
+native_key() {
+    {
+        echo "$IMG_DIR"
+        (cd "$REPO" && find aiordma \( -name '*.pyx' -o -name '*.pxd' \) -print0 | LC_ALL=C sort -z \
+            | xargs -0 -r sha256sum && sha256sum setup.py aiordma/native.py tests/rxe/guest-build.sh)
+    } | sha256sum | cut -c1-16
+}
+
+# native_cache_offer CTL: a kept build of these sources, as CTL/native.tar for the guest.
+native_cache_offer() {
+    [ "${AIORDMA_GUEST_BUILD:-1}" != 0 ] && [ "${AIORDMA_RXE_NATIVE_CACHE:-1}" != 0 ] || return 0
+    NATIVE_DIR="$(dirname "$IMG_DIR")/native-$(native_key)"
+    if [ -s "$NATIVE_DIR/files.tar" ]; then cp "$NATIVE_DIR/files.tar" "$1/native.tar"; fi
+}
+
+# native_cache_keep RESULTS: keep the build the guest left in RESULTS/native.tar (it
+# leaves one only after building and checking it); at most three kept per suite.
+native_cache_keep() {
+    [ -n "$NATIVE_DIR" ] && [ -s "$1/native.tar" ] && [ ! -s "$NATIVE_DIR/files.tar" ] || return 0
+    local tmp="$NATIVE_DIR.tmp.$$" d n=0
+    if mkdir -p "$tmp" && cp "$1/native.tar" "$tmp/files.tar" && mv -T "$tmp" "$NATIVE_DIR" 2>/dev/null; then
+        log "kept the guest's build of the extensions: $NATIVE_DIR"
+    fi
+    rm -rf "$tmp"
+    while read -r d; do
+        n=$((n + 1))
+        [ $n -le 3 ] || rm -rf "$d"
+    done < <(ls -1dt "$(dirname "$NATIVE_DIR")"/native-* 2>/dev/null)
+}
+
 run_vm() {
     ensure_tools qemu-system-x86_64:qemu-system-x86 qemu-img:qemu-utils timeout:coreutils flock:util-linux
     RUN_DIR=$(mktemp -d "${TMPDIR:-/tmp}/aiordma-rxe.XXXXXX")
@@ -524,6 +564,7 @@ run_vm() {
         done < <(compgen -e)
     } > "$ctl/env.sh"
     { echo '# the command given to run-vm.sh'; printf 'exec'; printf ' %q' "${CMD[@]}"; echo; } > "$ctl/cmd.sh"
+    native_cache_offer "$ctl"
 
     touch "$IMG_DIR" 2>/dev/null || true     # "last used", for gc_images
 
@@ -562,7 +603,7 @@ run_vm() {
     while :; do
         log "booting $SUITE guest $NAME (timeout ${TIMEOUT}s): $shown"
         # a fresh overlay and results per boot: a guest that crashed leaves nothing behind
-        rm -f "$RUN_DIR/overlay.qcow2" \
+        rm -f "$RUN_DIR/overlay.qcow2" "$results/native.tar" \
             "$results"/{exit-code,output.log,kernel.log,setup-failed,boot-seconds,end-seconds,timed-out}
         qemu-img create -q -f qcow2 -F raw -b "$IMG_DIR/root.img" "$RUN_DIR/overlay.qcow2"
         t0=$SECONDS qrc=0
@@ -594,6 +635,7 @@ run_vm() {
         break
     done
     local wall=$((SECONDS - t0))
+    native_cache_keep "$results"
 
     local rc="" boot="" marker setup
     if [ -s "$results/exit-code" ]; then rc=$(tr -dc '0-9' < "$results/exit-code"); fi
