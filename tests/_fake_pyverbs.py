@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from aiordma.verbs import MTU, Access, AHAttr, QPAttr, QPCap, QPState
-from aiordma.verbs.ibverbs import clib, compat, loader, provider
+from aiordma.verbs.ibverbs import clib, compat, loader, probe, provider
 from aiordma.verbs.ibverbs import context as ibv_context
 
 
@@ -426,7 +426,7 @@ def install_fake(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     r, w = os.pipe()
     calls = iter([{}, {r: "anon_inode:[infinibandevent]"}])
     # the first call is before ibv_open_device, the second after it
-    monkeypatch.setattr(compat, "event_fds", lambda proc_fd=None: next(calls, {}))
+    monkeypatch.setattr(probe, "event_fds", lambda proc_fd=None: next(calls, {}))
     pv.async_pipe = (r, w)
     # (weak references: a test may drop a context for the GC to finalize)
     opened: list[weakref.ref[ibv_context.IbvContext]] = []
@@ -509,10 +509,10 @@ def install_abi(fake: Any, monkeypatch: pytest.MonkeyPatch, qps: bool = False) -
         return ptr
 
     monkeypatch.setattr(fake.cq, "CQ", make_cq)
-    monkeypatch.setattr(compat, "find_cq_pointer", find_cq)
+    monkeypatch.setattr(probe, "find_cq_pointer", find_cq)
     if qps:
         monkeypatch.setattr(fake.qp, "QP", make_qp)
-        monkeypatch.setattr(compat, "find_qp_pointer", find_qp)
+        monkeypatch.setattr(probe, "find_qp_pointer", find_qp)
         monkeypatch.setattr(clib, "modify_qp_address", lambda: c.modify_qp_ptr)
     monkeypatch.setattr(ibv_context.IbvContext, "_find_ctx_ptr", lambda self: c.ptr)
     # the async fd is read from the (fake) context struct: make it the fake's pipe

@@ -59,7 +59,7 @@ from aiordma.verbs import (
     WROpcode,
 )
 from aiordma.verbs.ibverbs import channel as ibv_channel
-from aiordma.verbs.ibverbs import clib, compat, loader, provider
+from aiordma.verbs.ibverbs import clib, compat, loader, probe, provider
 
 
 @pytest.fixture
@@ -153,23 +153,23 @@ def test_event_fds_and_new_event_fd(tmp_path: Any) -> None:
     ev = "anon_inode:[infinibandevent]"
     proc = _fake_proc_fd(tmp_path, {0: "/dev/null", 3: "/dev/infiniband/uverbs0", 4: ev,
                                     5: "socket:[123]", 6: "anon_inode:[eventfd]"})
-    before = compat.event_fds(proc)
+    before = probe.event_fds(proc)
     assert before == {4: ev}
     proc = _fake_proc_fd(tmp_path, {0: "/dev/null", 3: "/dev/infiniband/uverbs0", 4: ev,
                                     5: "socket:[123]", 7: ev})
-    after = compat.event_fds(proc)
-    assert compat.new_event_fd(before, after) == 7
-    assert compat.new_event_fd(after, after) is None  # nothing new
-    assert compat.new_event_fd({}, after) is None  # ambiguous: two new ones
-    assert compat.event_fds(str(tmp_path / "missing")) == {}
-    assert compat.is_event_fd_target(ev)
-    assert not compat.is_event_fd_target("/dev/infiniband/uverbs0")
+    after = probe.event_fds(proc)
+    assert probe.new_event_fd(before, after) == 7
+    assert probe.new_event_fd(after, after) is None  # nothing new
+    assert probe.new_event_fd({}, after) is None  # ambiguous: two new ones
+    assert probe.event_fds(str(tmp_path / "missing")) == {}
+    assert probe.is_event_fd_target(ev)
+    assert not probe.is_event_fd_target("/dev/infiniband/uverbs0")
 
 
 def test_set_nonblocking() -> None:
     r, w = os.pipe()
     try:
-        compat.set_nonblocking(r)
+        probe.set_nonblocking(r)
         assert not os.get_blocking(r)
         with pytest.raises(BlockingIOError):
             os.read(r, 1)
@@ -179,7 +179,7 @@ def test_set_nonblocking() -> None:
 
 
 def test_proc_self_mem_reads_safely() -> None:
-    mem = compat.ProcSelfMem()
+    mem = probe.ProcSelfMem()
     try:
         buf = ctypes.create_string_buffer(b"hello world", 16)
         assert mem.read(ctypes.addressof(buf), 11) == b"hello world"
@@ -204,7 +204,7 @@ def _fake_context_struct(cmd_fd: int, async_fd: int, ncv: int = 1) -> ctypes.Arr
 
 
 def test_find_context_pointer_in_real_memory() -> None:
-    mem = compat.ProcSelfMem()
+    mem = probe.ProcSelfMem()
     good = _fake_context_struct(cmd_fd=7, async_fd=9)
     wrong_fd = _fake_context_struct(cmd_fd=8, async_fd=9)
     no_async = _fake_context_struct(cmd_fd=7, async_fd=-1)
@@ -212,20 +212,20 @@ def test_find_context_pointer_in_real_memory() -> None:
     words = [0, 12345, id(junk), ctypes.addressof(wrong_fd), ctypes.addressof(no_async),
              ctypes.addressof(good), 0xDEAD0000, 1 << 50]
     try:
-        found = compat.find_context_pointer(words, 7, mem.read, lambda fd: fd == 9)
+        found = probe.find_context_pointer(words, 7, mem.read, lambda fd: fd == 9)
         assert found == ctypes.addressof(good)
         # the async fd must be an open verbs event file
-        assert compat.find_context_pointer(words, 7, mem.read, lambda fd: False) is None
+        assert probe.find_context_pointer(words, 7, mem.read, lambda fd: False) is None
         # two qualifying words: refuse to guess
         twin = _fake_context_struct(cmd_fd=7, async_fd=9)
-        assert compat.find_context_pointer(words + [ctypes.addressof(twin)], 7, mem.read,
+        assert probe.find_context_pointer(words + [ctypes.addressof(twin)], 7, mem.read,
                                            lambda fd: True) is None
     finally:
         mem.close()
 
 
 def test_find_channel_in_real_memory() -> None:
-    mem = compat.ProcSelfMem()
+    mem = probe.ProcSelfMem()
     ctx_ptr = 0x55550000
     chan = (ctypes.c_char * compat.CHANNEL_SIZE)()
     struct.pack_into("=Qii", chan, 0, ctx_ptr, 11, 0)
@@ -234,20 +234,20 @@ def test_find_channel_in_real_memory() -> None:
     words = [ctypes.addressof(other), 3, ctypes.addressof(chan), ctypes.addressof(chan)]
     want = (ctypes.addressof(chan), 11)
     try:
-        assert compat.find_channel(words, ctx_ptr, mem.read, lambda fd: True) == want
-        assert compat.find_channel(words, ctx_ptr, mem.read, lambda fd: True, fd=11) == want
-        assert compat.find_channel(words, ctx_ptr, mem.read, lambda fd: True, fd=12) is None
-        assert compat.find_channel(words, ctx_ptr, mem.read, lambda fd: True,
+        assert probe.find_channel(words, ctx_ptr, mem.read, lambda fd: True) == want
+        assert probe.find_channel(words, ctx_ptr, mem.read, lambda fd: True, fd=11) == want
+        assert probe.find_channel(words, ctx_ptr, mem.read, lambda fd: True, fd=12) is None
+        assert probe.find_channel(words, ctx_ptr, mem.read, lambda fd: True,
                                    candidates=[11, 13]) == want
-        assert compat.find_channel(words, ctx_ptr, mem.read, lambda fd: True,
+        assert probe.find_channel(words, ctx_ptr, mem.read, lambda fd: True,
                                    candidates=[13]) is None
-        assert compat.find_channel(words, ctx_ptr, mem.read, lambda fd: fd != 11) is None
+        assert probe.find_channel(words, ctx_ptr, mem.read, lambda fd: fd != 11) is None
     finally:
         mem.close()
 
 
 def test_find_cq_pointer_in_real_memory() -> None:
-    mem = compat.ProcSelfMem()
+    mem = probe.ProcSelfMem()
     ctx_ptr, token = 0x55550000, 0x66660000
     cq = (ctypes.c_char * compat.CQ_PROBE_SIZE)()
     struct.pack_into("=QQQ", cq, 0, ctx_ptr, 0, token)
@@ -258,11 +258,11 @@ def test_find_cq_pointer_in_real_memory() -> None:
     words = [7, ctypes.addressof(other_ctx), ctypes.addressof(cq), ctypes.addressof(other_token),
              ctypes.addressof(cq), 1 << 50]
     try:
-        assert compat.find_cq_pointer(words, ctx_ptr, token, mem.read) == ctypes.addressof(cq)
-        assert compat.find_cq_pointer(words, ctx_ptr, token + 16, mem.read) is None
+        assert probe.find_cq_pointer(words, ctx_ptr, token, mem.read) == ctypes.addressof(cq)
+        assert probe.find_cq_pointer(words, ctx_ptr, token + 16, mem.read) is None
         twin = (ctypes.c_char * compat.CQ_PROBE_SIZE)()
         struct.pack_into("=QQQ", twin, 0, ctx_ptr, 0, token)
-        assert compat.find_cq_pointer(words + [ctypes.addressof(twin)], ctx_ptr, token,
+        assert probe.find_cq_pointer(words + [ctypes.addressof(twin)], ctx_ptr, token,
                                       mem.read) is None  # two qualify: refuse to guess
     finally:
         mem.close()
@@ -279,10 +279,10 @@ def test_object_words_sees_the_fields_of_an_object() -> None:
     h = Holder()
     h.a = x = object()
     h.b = y = ["list"]
-    words = compat.object_words(h)
+    words = probe.object_words(h)
     assert id(x) in words and id(y) in words
-    assert compat.plausible_pointer(id(x))
-    assert not compat.plausible_pointer(7)
+    assert probe.plausible_pointer(id(x))
+    assert not probe.plausible_pointer(7)
 
 
 # ----------------------------------------------------------------------------------------

@@ -30,7 +30,7 @@ from aiordma.verbs import (  # noqa: E402
     WROpcode,
     open_context,
 )
-from aiordma.verbs.ibverbs import compat  # noqa: E402
+from aiordma.verbs.ibverbs import compat, probe  # noqa: E402
 from aiordma.verbs.ibverbs.context import IbvContext  # noqa: E402
 
 failures: list[str] = []
@@ -51,22 +51,22 @@ def main() -> int:
     print(f"context pointer {ctx._ctx_ptr or 0:#x}, async fd {ctx.async_fd}, "
           f"native async events: {ctx._reader is not None}")
     check(bool(ctx._ctx_ptr), "struct ibv_context located")
-    words = compat.object_words(ctx._ctx)
-    probed = compat.find_context_pointer(words, int(ctx._ctx.cmd_fd), ctx._mem.read,
-                                         compat.is_event_fd)
+    words = probe.object_words(ctx._ctx)
+    probed = probe.find_context_pointer(words, int(ctx._ctx.cmd_fd), ctx._mem.read,
+                                         probe.is_event_fd)
     check(probed == ctx._ctx_ptr, "memory probe finds the same struct ibv_context")
     if pv.context_ptr_property:
         check(int(ctx._ctx.context) == probed, "probe == Context.context (rdma-core >= 61)")
     check(not os.get_blocking(ctx.async_fd), "async fd is non-blocking")
-    check(compat.is_event_fd(ctx.async_fd), "async fd is an infinibandevent file")
+    check(probe.is_event_fd(ctx.async_fd), "async fd is an infinibandevent file")
 
     ch = ctx.create_comp_channel()
     check(ch._reader is not None, "struct ibv_comp_channel located (shared channels work)")
     check(not os.get_blocking(ch.fd), "channel fd is non-blocking")
     if pv.channel_has_fd:
         check(int(ch._cc.fd) == ch.fd, "channel fd == CompChannel.fd (rdma-core >= 57)")
-        found = compat.find_channel(compat.object_words(ch._cc), ctx._ctx_ptr or 0,
-                                    ctx._mem.read, compat.is_event_fd)
+        found = probe.find_channel(probe.object_words(ch._cc), ctx._ctx_ptr or 0,
+                                    ctx._mem.read, probe.is_event_fd)
         check(found is not None and found[1] == ch.fd, "probe alone finds the same channel fd")
     attr = ctx.query_device()
     print(f"device attributes: {attr}")

@@ -17,6 +17,7 @@ importing it never fails; without pyverbs, ``PROVIDER.list_devices()``/``open()`
 * ``loader``   -- pyverbs imported lazily, and what its version can do;
 * ``compat``   -- pure-Python shims for what differs between versions or is missing
   (unit-tested without pyverbs in ``tests/test_ibverbs_compat.py``);
+* ``probe``    -- the fds and C pointers pyverbs hides, found in the process;
 * ``clib``     -- libibverbs' C API through ctypes: async and channel events, CQ polling.
 
 Version differences handled

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from ...errors import DeviceError, RDMAError
 from ..api import CompChannel
-from . import clib, compat
+from . import clib, compat, probe
 
 if TYPE_CHECKING:
     from .context import IbvContext
@@ -27,14 +27,14 @@ class IbvCompChannel(CompChannel):
         pv = ctx._pv
         self._ctx = ctx
         self._pv = pv
-        before = None if pv.channel_has_fd else compat.event_fds()
+        before = None if pv.channel_has_fd else probe.event_fds()
         try:
             self._cc: Any = pv.cq.CompChannel(ctx._ctx)
         except pv.Error as exc:
             raise ctx._error(exc, "ibv_create_comp_channel") from None
         try:
             fd, ptr = self._locate(before)
-            compat.set_nonblocking(fd)
+            probe.set_nonblocking(fd)
         except BaseException:
             self._cc.close()
             raise
@@ -50,15 +50,15 @@ class IbvCompChannel(CompChannel):
         known = int(self._cc.fd) if before is None else None
         new: list[int] | None = None
         if before is not None:
-            after = compat.event_fds()
+            after = probe.event_fds()
             new = [fd for fd, t in after.items() if before.get(fd) != t]
         ctx = self._ctx
         if ctx._ctx_ptr:
             try:
-                words = compat.object_words(self._cc)
+                words = probe.object_words(self._cc)
             except Exception:  # pragma: no cover - non-CPython
                 words = []
-            found = compat.find_channel(words, ctx._ctx_ptr, ctx._mem.read, compat.is_event_fd,
+            found = probe.find_channel(words, ctx._ctx_ptr, ctx._mem.read, probe.is_event_fd,
                                         fd=known, candidates=new or None)
             if found is not None:
                 return found[1], found[0]
@@ -96,7 +96,7 @@ class IbvCompChannel(CompChannel):
             self._cc.get_cq_event(cq._cq)
         except self._pv.Error as exc:
             code = compat.errno_of(exc, 0)
-            if code in (errno.EAGAIN, errno.EWOULDBLOCK) or not compat.readable(self.fd):
+            if code in (errno.EAGAIN, errno.EWOULDBLOCK) or not probe.readable(self.fd):
                 return None
             raise RDMAError(code or errno.EIO, f"ibv_get_cq_event: {exc}") from None
         cq._events_got += 1

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from ...errors import DeviceError, RDMAError
 from ..api import AsyncEvent, CompChannel, Context, DeviceAttr, PortAttr
 from ..enums import MTU, EventType, LinkLayer, PortState
-from . import clib, compat
+from . import clib, compat, probe
 from .channel import IbvCompChannel
 from .cq import IbvCQ
 from .loader import enum_value, load_pyverbs, text
@@ -45,18 +45,18 @@ class IbvContext(Context):
         pv = load_pyverbs()
         self._pv = pv
         self.name = name
-        before = compat.event_fds()
+        before = probe.event_fds()
         try:
             self._ctx: Any = pv.device.Context(name=name)
         except pv.Error as exc:
             raise DeviceError(compat.errno_of(exc, errno.ENODEV),
                               f"cannot open RDMA device {name}: {exc}") from None
-        after = compat.event_fds()
+        after = probe.event_fds()
         self._closed = False
         self._children: set[object] = set()  # PDs, CQs, channels
         self._qps: dict[int, IbvQP] = {}
         self._cqs_by_token: dict[int, IbvCQ] = {}
-        self._mem = compat.ProcSelfMem()
+        self._mem = probe.ProcSelfMem()
         self._attr: DeviceAttr | None = None
         try:
             self._ctx_ptr = self._find_ctx_ptr()
@@ -68,11 +68,11 @@ class IbvContext(Context):
                 if lib is not None:
                     self._reader = clib.AsyncReader(lib, self._ctx_ptr)
             if afd is None:
-                afd = compat.new_event_fd(before, after)
+                afd = probe.new_event_fd(before, after)
             if afd is None:
                 raise DeviceError(errno.EIO, f"cannot find the async event fd of {name} "
                                   f"({pv.describe()})")
-            compat.set_nonblocking(afd)
+            probe.set_nonblocking(afd)
             self._async_fd = afd
         except BaseException:
             self._ctx.close()
@@ -97,10 +97,10 @@ class IbvContext(Context):
         for ws in (words, None):
             if ws is None:
                 try:
-                    ws = compat.object_words(self._ctx)
+                    ws = probe.object_words(self._ctx)
                 except Exception:  # pragma: no cover - non-CPython
                     return None
-            ptr = compat.find_context_pointer(ws, cmd_fd, self._mem.read, compat.is_event_fd)
+            ptr = probe.find_context_pointer(ws, cmd_fd, self._mem.read, probe.is_event_fd)
             if ptr:
                 return ptr
         return None
@@ -254,7 +254,7 @@ class IbvContext(Context):
         if self._reader is not None:
             return self._reader.drain(self._convert_async)
         out: list[AsyncEvent] = []  # fallback: pyverbs, without the element
-        while compat.readable(self._async_fd):
+        while probe.readable(self._async_fd):
             try:
                 ev = self._ctx.get_async_event()
             except self._pv.Error:

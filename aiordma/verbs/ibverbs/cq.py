@@ -14,7 +14,7 @@ from ..api import CQ
 from ..contract import check_cq_close
 from ..enums import QPState, WCOpcode
 from ..wr import WC
-from . import clib, compat, loader
+from . import clib, compat, loader, probe
 
 if TYPE_CHECKING:
     from .channel import IbvCompChannel
@@ -81,10 +81,10 @@ class IbvCQ(CQ):
         if not ctx._ctx_ptr or mode == "pyverbs":
             return
         try:
-            words = compat.object_words(self._cq)
+            words = probe.object_words(self._cq)
         except Exception:  # pragma: no cover - non-CPython
             return
-        ptr = compat.find_cq_pointer(words, ctx._ctx_ptr, id(self._token), ctx._mem.read)
+        ptr = probe.find_cq_pointer(words, ctx._ctx_ptr, id(self._token), ctx._mem.read)
         if not ptr:
             log.debug("aiordma: struct ibv_cq of %r not found; polling through pyverbs", self)
             return

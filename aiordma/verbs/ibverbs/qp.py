@@ -21,7 +21,7 @@ from ..api import QP, AHAttr, QPAttr, QPCap
 from ..contract import InvalidWorkRequest, check_recv_wrs, check_send_wr
 from ..enums import WC_OPCODE_FOR_WR, LinkLayer, QPState, SendFlags
 from ..wr import RecvWR, SendWR
-from . import clib, compat, loader
+from . import clib, compat, loader, probe
 from .pyverbs_wrs import PyverbsWRs
 
 if TYPE_CHECKING:
@@ -74,10 +74,10 @@ class IbvQP(QP):
         if fp is None or not ctx._ctx_ptr or os.environ.get("AIORDMA_VERBS_POST") == "pyverbs":
             return None
         try:
-            words = compat.object_words(self._qp)
+            words = probe.object_words(self._qp)
         except Exception:  # pragma: no cover - non-CPython
             return None
-        ptr = compat.find_qp_pointer(words, ctx._ctx_ptr, self.qp_num, self.send_cq._cq_ptr,
+        ptr = probe.find_qp_pointer(words, ctx._ctx_ptr, self.qp_num, self.send_cq._cq_ptr,
                                      self.recv_cq._cq_ptr, ctx._mem.read)
         if not ptr:
             log.debug("aiordma: struct ibv_qp of %r not found; posting through pyverbs", self)
