@@ -152,6 +152,15 @@ def _payload(n: int, seed: int) -> bytes:
     return random.Random(seed).randbytes(n)
 
 
+async def check_atomics(ep: aiordma.Endpoint, word: aiordma.RemoteBuffer) -> None:
+    """Zero the peer's 8-byte ``word``, then check fetch_add and both outcomes of
+    compare_swap on it (the word ends at 42)."""
+    await asyncio.wait_for(ep.write(ep.register(bytearray(8)), word), T)
+    assert await asyncio.wait_for(ep.fetch_add(word, 5), T) == 0
+    assert await asyncio.wait_for(ep.compare_swap(word, 5, 42), T) == 5
+    assert await asyncio.wait_for(ep.compare_swap(word, 5, 43), T) == 42
+
+
 async def api(a: argparse.Namespace) -> None:
     o = options(a)
     ep = await aiordma.connect(a.host, a.port, timeout=30, **o)
@@ -179,11 +188,7 @@ async def api(a: argparse.Namespace) -> None:
         mr2 = ep.register(back)
         await asyncio.wait_for(ep.read(mr2, desc.slice(0, len(buf))), T)
         assert back == buf, "RDMA READ after WRITE differs"
-        word = desc.slice(MiB - 8, 8)
-        await asyncio.wait_for(ep.write(ep.register(bytearray(8)), word), T)
-        assert await asyncio.wait_for(ep.fetch_add(word, 5), T) == 0
-        assert await asyncio.wait_for(ep.compare_swap(word, 5, 42), T) == 5
-        assert await asyncio.wait_for(ep.compare_swap(word, 5, 43), T) == 42
+        await check_atomics(ep, desc.slice(MiB - 8, 8))
     reader, writer = await aiordma.open_connection(a.host, a.stream_port, timeout=30, **o)
     lines = [f"line {i} ".encode() * (i % 7 + 1) + b"\n" for i in range(100)]
     for line in lines:

@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 from _peers import figure
-from net_peer import rdma_path
+from net_peer import check_atomics, rdma_path
 
 import aiordma
 
@@ -185,10 +185,7 @@ async def test_endpoint_api_across_hosts(server: int) -> None:
         await asyncio.wait_for(ep.read(ep.register(back), desc.slice(0, len(src))), T)
         assert back == src, "RDMA READ after WRITE differs"
         word = desc.slice(MiB - 8, 8)
-        await asyncio.wait_for(ep.write(ep.register(bytearray(8)), word), T)
-        assert await asyncio.wait_for(ep.fetch_add(word, 5), T) == 0
-        assert await asyncio.wait_for(ep.compare_swap(word, 5, 42), T) == 5
-        assert await asyncio.wait_for(ep.compare_swap(word, 5, 43), T) == 42
+        await check_atomics(ep, word)
         assert await asyncio.wait_for(ep.fetch_add(word, 0), T) == 42
     figure(f"verbs across two guests: messages of {sizes[0]} B to {sizes[-1] // MiB} MiB "
            f"echoed in {took:.1f} s ({2 * sum(sizes) / MiB / took:.1f} MiB/s both ways)")
