@@ -22,7 +22,9 @@ check() {
 }
 
 if [ -s "$kept" ]; then
-    if tar -xf "$kept" -C /project >> "$results/build.log" 2>&1 && check; then
+    # (-m: the files get the time of extraction, newer than this checkout's sources, which
+    # the key says they were built from; aiordma.native.stale_modules compares the times)
+    if tar -xmf "$kept" -C /project >> "$results/build.log" 2>&1 && check; then
         echo "aiordma-rxe: installed the kept build of these sources (run-vm.sh's native cache)" \
             | tee -a "$results/build.log"
         exit 0
