@@ -298,6 +298,53 @@ async def bounded(coro: Awaitable[T], seconds: float, what: str) -> T:
         raise TimeoutError(f"{what} did not finish in {seconds:.0f}s") from None
 
 
+# The baselines that connect out of band (pyverbs-async, ucxx) swap one JSON line each
+# way over TCP on 127.0.0.1: the client sends its own, the server answers with its own.
+EXCHANGE_TIMEOUT = 30.0
+
+
+async def exchange_lines(host: str, port: int, mine: dict[str, Any],
+                         what: str) -> dict[str, Any]:
+    """The client's side: send ``mine``, return the server's line. Raises
+    ConnectionError when the server closes first (naming ``what``), TimeoutError."""
+    reader, writer = await asyncio.open_connection(host, port)
+    try:
+        writer.write(json.dumps(mine).encode() + b"\n")
+        await writer.drain()
+        line = await asyncio.wait_for(reader.readline(), EXCHANGE_TIMEOUT)
+        if not line:
+            raise ConnectionError(f"{what}: the exchange connection closed")
+        peer: dict[str, Any] = json.loads(line)
+        return peer
+    finally:
+        writer.close()
+
+
+async def exchange_server(answer: Callable[[dict[str, Any]], Awaitable[dict[str, Any]]],
+                          connected: asyncio.Future[None],
+                          after: Callable[[], None] | None = None,
+                          ) -> tuple[asyncio.Server, dict[str, Any]]:
+    """The server's side on 127.0.0.1: for each client's line, ``answer(peer)`` gives
+    ours; once it is sent, ``after()`` runs and ``connected`` is resolved (the first
+    time). Returns the server and ``{"host", "port"}`` for the client."""
+
+    async def on_client(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        try:
+            line = await asyncio.wait_for(r.readline(), EXCHANGE_TIMEOUT)
+            reply = await answer(json.loads(line))
+            w.write(json.dumps(reply).encode() + b"\n")
+            await w.drain()
+            if after is not None:
+                after()
+            if not connected.done():
+                connected.set_result(None)
+        finally:
+            w.close()
+
+    server = await asyncio.start_server(on_client, "127.0.0.1", 0)
+    return server, {"host": "127.0.0.1", "port": server.sockets[0].getsockname()[1]}
+
+
 def test_timeout(cfg: Config) -> float:
     """Upper bound of one test, warm-up and synchronisation included."""
     return cfg.max_seconds * 3 + 20

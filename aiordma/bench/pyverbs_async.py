@@ -26,12 +26,11 @@ GIDs are exchanged over a TCP connection of their own at ``connect``.
 from __future__ import annotations
 
 import asyncio
-import json
 from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from .common import Config, bounded, windowed
+from .common import Config, bounded, exchange_lines, exchange_server, windowed
 from .pyverbs_sync import RQ_DEPTH, _Verbs
 
 _SEND_ID = 1
@@ -141,17 +140,6 @@ class _Poller:
                     f.set_exception(exc)
 
 
-async def _exchange(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                    mine: dict[str, Any]) -> dict[str, Any]:
-    writer.write(json.dumps(mine).encode() + b"\n")
-    await writer.drain()
-    line = await asyncio.wait_for(reader.readline(), 30)
-    if not line:
-        raise ConnectionError("pyverbs-async: QP exchange connection closed")
-    peer: dict[str, Any] = json.loads(line)
-    return peer
-
-
 # ======================================================================= server
 class AioVerbsServer:
     """The server backend of ``aiordma/bench/worker.py`` (start/begin/mark/end/close)."""
@@ -174,21 +162,13 @@ class AioVerbsServer:
         p.on_recv = self._count
         self._connected = loop.create_future()
 
-        async def on_exchange(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-            try:
-                line = await asyncio.wait_for(r.readline(), 30)
-                v.connect(json.loads(line))
-                w.write(json.dumps(v.info()).encode() + b"\n")
-                await w.drain()
-                p.post_recvs(RQ_DEPTH)
-                if self._connected is not None and not self._connected.done():
-                    self._connected.set_result(None)
-            finally:
-                w.close()
+        async def answer(peer: dict[str, Any]) -> dict[str, Any]:
+            v.connect(peer)
+            return v.info()
 
-        self._xchg = await asyncio.start_server(on_exchange, "127.0.0.1", 0)
-        port = self._xchg.sockets[0].getsockname()[1]
-        return {"host": "127.0.0.1", "port": port}
+        self._xchg, where = await exchange_server(answer, self._connected,
+                                                  after=lambda: p.post_recvs(RQ_DEPTH))
+        return where
 
     def _count(self) -> None:
         self.received += 1
@@ -278,11 +258,8 @@ class AioVerbsClient:
 
     async def connect(self) -> None:
         self.v = v = _Verbs(self.cfg)
-        r, w = await asyncio.open_connection(self.info["host"], self.info["port"])
-        try:
-            self.peer = await _exchange(r, w, v.info())
-        finally:
-            w.close()
+        self.peer = await exchange_lines(self.info["host"], self.info["port"], v.info(),
+                                         "pyverbs-async")
         v.connect(self.peer)
         self.poller = _Poller(v, asyncio.get_running_loop())
         self.poller.post_recvs(RQ_DEPTH)

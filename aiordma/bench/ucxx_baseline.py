@@ -37,7 +37,7 @@ import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from .common import Config, bounded, windowed
+from .common import Config, bounded, exchange_lines, exchange_server, windowed
 
 #: baseline name -> UCXX progress mode
 MODES = {"ucxx-poll": "polling", "ucxx-block": "blocking"}
@@ -183,20 +183,12 @@ class UcxxServer:
         mine = ucxx.get_worker_address().tobytes().hex()
         self._connected = loop.create_future()
 
-        async def on_exchange(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-            try:
-                line = await asyncio.wait_for(r.readline(), 30)
-                self.ep = await _endpoint(ucxx, json.loads(line)["address"])
-                w.write(json.dumps({"address": mine}).encode() + b"\n")
-                await w.drain()
-                if self._connected is not None and not self._connected.done():
-                    self._connected.set_result(None)
-            finally:
-                w.close()
+        async def answer(peer: dict[str, Any]) -> dict[str, Any]:
+            self.ep = await _endpoint(ucxx, peer["address"])
+            return {"address": mine}
 
-        self._xchg = await asyncio.start_server(on_exchange, "127.0.0.1", 0)
-        port = self._xchg.sockets[0].getsockname()[1]
-        return {"host": "127.0.0.1", "port": port}
+        self._xchg, where = await exchange_server(answer, self._connected)
+        return where
 
     async def begin(self, test: str, size: int, window: int, timeout: float) -> dict[str, Any]:
         assert self._connected is not None
@@ -286,16 +278,9 @@ class UcxxClient:
     async def connect(self) -> None:
         ucxx = _init(self.name)
         mine = ucxx.get_worker_address().tobytes().hex()
-        r, w = await asyncio.open_connection(self.info["host"], self.info["port"])
-        try:
-            w.write(json.dumps({"address": mine}).encode() + b"\n")
-            await w.drain()
-            line = await asyncio.wait_for(r.readline(), 30)
-            if not line:
-                raise ConnectionError("ucxx: address exchange connection closed")
-            self.ep = await _endpoint(ucxx, json.loads(line)["address"])
-        finally:
-            w.close()
+        peer = await exchange_lines(self.info["host"], self.info["port"], {"address": mine},
+                                    "ucxx")
+        self.ep = await _endpoint(ucxx, peer["address"])
 
     def _buffers(self, test: str, size: int) -> tuple[Any, Any]:
         key = (test, size)
