@@ -1225,9 +1225,11 @@ def test_multiprocess_one_sided_and_peer_killed(ctx: Context, res: Resources, ch
     assert qp.state == QPState.ERR
 
 
-@pytest.mark.multiprocess
-def test_multiprocess_silent_peer_ack_timeout(ctx: Context, res: Resources,
-                                              child: Child, provider_name: str) -> None:
+def _soft_pair_with_a_child(ctx: Context, res: Resources, child: Child, provider_name: str,
+                            *, timeout: int, retry_cnt: int) -> tuple[CQ, QP, MR]:
+    """soft only (skips otherwise: rxe's kernel keeps answering for a stopped process):
+    a QP connected to the child's with this ACK ``timeout`` and ``retry_cnt``, proven by
+    one READ/WRITE round trip; returns its CQ, the QP and a 4 KiB MR of ours."""
     if provider_name != "soft":
         pytest.skip("soft's ACK timer: rxe's kernel keeps answering for a stopped process")
     pd = res.add(ctx.alloc_pd())
@@ -1235,8 +1237,16 @@ def test_multiprocess_silent_peer_ack_timeout(ctx: Context, res: Resources,
     qp = res.add(pd.create_qp(cq, cq, QPCap(max_send_wr=16, max_recv_wr=16)))
     buf = bytearray(4096)
     m = res.add(pd.reg_mr(buf, ACC_ALL))
-    child.connect(ctx, qp, timeout=10, retry_cnt=2)  # 4.2 ms * 3 (soft: 134 ms a try)
+    child.connect(ctx, qp, timeout=timeout, retry_cnt=retry_cnt)
     _one_sided_roundtrip(cq, qp, m, buf, child.info)
+    return cq, qp, m
+
+
+@pytest.mark.multiprocess
+def test_multiprocess_silent_peer_ack_timeout(ctx: Context, res: Resources,
+                                              child: Child, provider_name: str) -> None:
+    cq, qp, m = _soft_pair_with_a_child(ctx, res, child, provider_name, timeout=10,
+                                        retry_cnt=2)  # 4.2 ms * 3 (soft: 134 ms a try)
     child.stop()  # alive (its sockets stay open) but silent
     t0 = time.monotonic()
     qp.post_send([send(7, [sge(m, 0, 64)], WROpcode.RDMA_READ, remote_addr=child.info["addr"],
@@ -1251,15 +1261,8 @@ def test_multiprocess_soft_retries_outlast_a_short_pause(ctx: Context, res: Reso
                                                          child: Child, provider_name: str) -> None:
     """soft: tries of the local ACK timer that end while the peer is paused use retries
     (``local_ack_timeouts``), and the WR completes once it answers again."""
-    if provider_name != "soft":
-        pytest.skip("soft's ACK timer: rxe's kernel keeps answering for a stopped process")
-    pd = res.add(ctx.alloc_pd())
-    cq = res.add(ctx.create_cq(64))
-    qp = res.add(pd.create_qp(cq, cq, QPCap(max_send_wr=16, max_recv_wr=16)))
-    buf = bytearray(4096)
-    m = res.add(pd.reg_mr(buf, ACC_ALL))
-    child.connect(ctx, qp, timeout=15, retry_cnt=7)  # 134 ms a try, 8 tries
-    _one_sided_roundtrip(cq, qp, m, buf, child.info)
+    cq, qp, m = _soft_pair_with_a_child(ctx, res, child, provider_name, timeout=15,
+                                        retry_cnt=7)  # 134 ms a try, 8 tries
     assert qp.local_ack_timeouts == 0
     child.stop()
     qp.post_send([send(7, [sge(m, 0, 64)], WROpcode.RDMA_READ, remote_addr=child.info["addr"],
@@ -1276,15 +1279,8 @@ def test_multiprocess_soft_retries_outlast_a_short_pause(ctx: Context, res: Reso
 def test_multiprocess_soft_retry_exc_only_after_the_last_retry(
         ctx: Context, res: Resources, child: Child, provider_name: str) -> None:
     """soft: RETRY_EXC_ERR comes on the try after the last of ``retry_cnt`` retries."""
-    if provider_name != "soft":
-        pytest.skip("soft's ACK timer: rxe's kernel keeps answering for a stopped process")
-    pd = res.add(ctx.alloc_pd())
-    cq = res.add(ctx.create_cq(64))
-    qp = res.add(pd.create_qp(cq, cq, QPCap(max_send_wr=16, max_recv_wr=16)))
-    buf = bytearray(4096)
-    m = res.add(pd.reg_mr(buf, ACC_ALL))
-    child.connect(ctx, qp, timeout=15, retry_cnt=3)
-    _one_sided_roundtrip(cq, qp, m, buf, child.info)
+    cq, qp, m = _soft_pair_with_a_child(ctx, res, child, provider_name, timeout=15,
+                                        retry_cnt=3)
     child.stop()
     qp.post_send([send(8, [sge(m, 0, 64)], WROpcode.RDMA_WRITE, remote_addr=child.info["addr"],
                        rkey=child.info["rkey"])])
