@@ -623,8 +623,11 @@ REMOTE_CASES = ["bad_rkey", "outside_mr", "no_remote_write", "no_remote_read",
                 "no_remote_atomic", "qp_access_flags", "mr_of_other_pd", "revoked_mr"]
 
 
-@pytest.mark.parametrize("case", REMOTE_CASES)
-def test_remote_access_error(ctx: Context, res: Resources, case: str) -> None:
+def remote_case(ctx: Context, res: Resources, case: str
+                ) -> tuple[Pair, MR, MR, WROpcode, int, int, int]:
+    """The set-up of a ``REMOTE_CASES`` case (tests/rxe/verbs_statuses.py runs them too):
+    a pair (for ``qp_access_flags``, a responder QP without remote write), a 4 KiB MR on
+    each side, and the request's opcode, length, remote address and rkey."""
     access_b = ACC_ALL
     if case == "qp_access_flags":
         access_b = Access.LOCAL_WRITE | Access.REMOTE_READ
@@ -652,6 +655,12 @@ def test_remote_access_error(ctx: Context, res: Resources, case: str) -> None:
         m, _ = p.mr("b", 64)
         raddr, rkey = m.addr, m.rkey
         m.close()
+    return p, ma, mb, op, length, raddr, rkey
+
+
+@pytest.mark.parametrize("case", REMOTE_CASES)
+def test_remote_access_error(ctx: Context, res: Resources, case: str) -> None:
+    p, ma, mb, op, length, raddr, rkey = remote_case(ctx, res, case)
     p.b.post_recv([RecvWR(9, [sge(mb)])])
     p.a.post_send([send(1, [sge(ma, 0, length)], op, remote_addr=raddr, rkey=rkey,
                         compare_add=1),

@@ -122,35 +122,7 @@ def local_alone(res):  # type: ignore[no-untyped-def]
 
 def remote(kind: str):  # type: ignore[no-untyped-def]
     def run(res):  # type: ignore[no-untyped-def]
-        access_b = t.ACC_ALL
-        if kind == "qp_access_flags":
-            access_b = Access.LOCAL_WRITE | Access.REMOTE_READ
-        p = t.Pair(ctx, res, access_b=access_b)
-        ma, _ = p.mr("a", 4096)
-        mb, _ = p.mr("b", 4096)
-        op, length, raddr, rkey = WROpcode.RDMA_WRITE, 16, mb.addr, mb.rkey
-        if kind == "bad_rkey":
-            rkey = mb.rkey ^ 0x777700
-        elif kind == "outside_mr":
-            raddr = mb.addr + 4090
-        elif kind == "no_remote_write":
-            m, _ = p.mr("b", 64, Access.LOCAL_WRITE | Access.REMOTE_READ)
-            raddr, rkey = m.addr, m.rkey
-        elif kind == "no_remote_read":
-            m, _ = p.mr("b", 64, Access.LOCAL_WRITE | Access.REMOTE_WRITE)
-            raddr, rkey, op = m.addr, m.rkey, WROpcode.RDMA_READ
-        elif kind == "no_remote_atomic":
-            m, _ = p.mr("b", 64, Access.LOCAL_WRITE | Access.REMOTE_WRITE | Access.REMOTE_READ)
-            raddr, rkey, op, length = m.addr, m.rkey, WROpcode.ATOMIC_FETCH_AND_ADD, 8
-        elif kind == "mr_of_other_pd":
-            m, _ = p.mr("a", 64)
-            raddr, rkey = m.addr, m.rkey
-        elif kind == "revoked_mr":
-            m, _ = p.mr("b", 64)
-            raddr, rkey = m.addr, m.rkey
-            m.close()
-        elif kind == "read_qp_access_flags":
-            pass
+        p, ma, mb, op, length, raddr, rkey = t.remote_case(ctx, res, kind)
         p.b.post_recv([RecvWR(9, [t.sge(mb)])])
         p.a.post_send([t.send(1, [t.sge(ma, 0, length)], op, remote_addr=raddr, rkey=rkey,
                               compare_add=1), t.send(2, [t.sge(ma, 0, 16)])])
