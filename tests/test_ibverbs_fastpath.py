@@ -142,6 +142,25 @@ def test_receives_and_a_refusal_at_bad_wr(abi: FakeVerbsABI, fake: Any) -> None:
     assert ei.value.errno == errno.EINVAL and len(qp._queues.sq) == 2
 
 
+def test_the_arrays_grow_for_long_chains(abi: FakeVerbsABI, fake: Any) -> None:
+    """Chains longer than the first allocation (16 WRs) grow both arrays up to the
+    queue depth; every WR keeps its own SGE slots."""
+    qp = _rts_qp(fake, QPCap(max_send_wr=64, max_recv_wr=64, max_send_sge=2,
+                             max_recv_sge=2, max_inline_data=64))
+    qp.post_send([SendWR(1, WROpcode.SEND, [SGE(0x100, 8, 5)])])
+    sends = [SendWR(10 + i, WROpcode.SEND, [SGE(0x1000 + 64 * i, 8, 5),
+                                             SGE(0x8000 + 64 * i, 4, 6)]) for i in range(40)]
+    qp.post_send(sends)
+    recvs = [RecvWR(100 + i, [SGE(0x20000 + 64 * i, 64, 7)]) for i in range(63)]
+    qp.post_recv(recvs)
+    assert [len(c) for c in abi.sends] == [1, 40] and [len(c) for c in abi.recvs] == [63]
+    assert [w["wr_id"] for w in abi.sends[1]] == [10 + i for i in range(40)]
+    assert [w["sg"] for w in abi.sends[1]] == [
+        [(0x1000 + 64 * i, 8, 5), (0x8000 + 64 * i, 4, 6)] for i in range(40)]
+    assert [(r["wr_id"], r["sg"]) for r in abi.recvs[0]] == [
+        (100 + i, [(0x20000 + 64 * i, 64, 7)]) for i in range(63)]
+
+
 def test_out_of_range_fields_post_nothing(abi: FakeVerbsABI, fake: Any) -> None:
     qp = _rts_qp(fake)
     bad = [SendWR(1, WROpcode.SEND, [SGE(0x1000, 8, 5)]),

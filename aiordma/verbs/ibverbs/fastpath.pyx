@@ -70,6 +70,37 @@ cdef inline int _grow(int cap, int n, int limit) noexcept nogil:
     return limit if cap > limit else cap
 
 
+ctypedef fused _wr_t:
+    ibv_send_wr
+    ibv_recv_wr
+
+
+cdef int _grow_wrs(_wr_t **wrs, ibv_sge **sges, int *cap, int n, int limit,
+                   int stride) except -1:
+    """Grow the WR array ``*wrs`` (``*cap`` of them) to hold ``n``, doubling up to
+    ``limit``, and its SGE array ``*sges`` (``stride`` per WR) with it; every WR's
+    ``sg_list`` points to its slots again, new WRs are zeroed. Raises MemoryError (the
+    arrays then stay valid, with their old capacity)."""
+    cdef int new_cap, i
+    cdef void *p
+    if n <= cap[0]:
+        return 0
+    new_cap = _grow(cap[0], n, limit)
+    p = realloc(wrs[0], new_cap * sizeof(_wr_t))
+    if p == NULL:
+        raise MemoryError()
+    wrs[0] = <_wr_t *>p
+    p = realloc(sges[0], new_cap * stride * sizeof(ibv_sge))
+    if p == NULL:
+        raise MemoryError()  # (the WR array grew, its sg_lists still point to *sges)
+    sges[0] = <ibv_sge *>p
+    memset(&wrs[0][cap[0]], 0, (new_cap - cap[0]) * sizeof(_wr_t))
+    for i in range(new_cap):
+        wrs[0][i].sg_list = &sges[0][i * stride]
+    cap[0] = new_cap
+    return 0
+
+
 cdef class QPPoster:
     """Posts work requests to one QP (``struct ibv_qp *`` as an int) from this object's
     arrays. ``max_send``/``max_recv``: the QP's queue depths (the longest chain);
@@ -155,48 +186,18 @@ cdef class QPPoster:
         """At least ``n`` send WRs, each with ``send_stride`` SGE slots at ``sg_list``
         (kept across calls: only the fields of the opcode posted need setting). Raises
         ValueError beyond ``max_send``, MemoryError. Earlier arrays may have moved."""
-        cdef int cap, i
-        cdef void *p
         if n > self.max_send or n < 1:
             raise ValueError(f"a chain of {n} send WRs (queue depth {self.max_send})")
-        if n > self.send_cap:
-            cap = _grow(self.send_cap, n, self.max_send)
-            p = realloc(self.send_wrs, cap * sizeof(ibv_send_wr))
-            if p == NULL:
-                raise MemoryError()
-            self.send_wrs = <ibv_send_wr *>p
-            p = realloc(self.send_sges, cap * self.send_stride * sizeof(ibv_sge))
-            if p == NULL:
-                raise MemoryError()
-            self.send_sges = <ibv_sge *>p
-            memset(&self.send_wrs[self.send_cap], 0,
-                   (cap - self.send_cap) * sizeof(ibv_send_wr))
-            for i in range(cap):
-                self.send_wrs[i].sg_list = &self.send_sges[i * self.send_stride]
-            self.send_cap = cap
+        _grow_wrs(&self.send_wrs, &self.send_sges, &self.send_cap, n, self.max_send,
+                  self.send_stride)
         return self.send_wrs
 
     cdef ibv_recv_wr *recv_array(self, int n) except NULL:
         """``send_array`` for receives (``recv_stride`` SGE slots per WR)."""
-        cdef int cap, i
-        cdef void *p
         if n > self.max_recv or n < 1:
             raise ValueError(f"a chain of {n} receive WRs (queue depth {self.max_recv})")
-        if n > self.recv_cap:
-            cap = _grow(self.recv_cap, n, self.max_recv)
-            p = realloc(self.recv_wrs, cap * sizeof(ibv_recv_wr))
-            if p == NULL:
-                raise MemoryError()
-            self.recv_wrs = <ibv_recv_wr *>p
-            p = realloc(self.recv_sges, cap * self.recv_stride * sizeof(ibv_sge))
-            if p == NULL:
-                raise MemoryError()
-            self.recv_sges = <ibv_sge *>p
-            memset(&self.recv_wrs[self.recv_cap], 0,
-                   (cap - self.recv_cap) * sizeof(ibv_recv_wr))
-            for i in range(cap):
-                self.recv_wrs[i].sg_list = &self.recv_sges[i * self.recv_stride]
-            self.recv_cap = cap
+        _grow_wrs(&self.recv_wrs, &self.recv_sges, &self.recv_cap, n, self.max_recv,
+                  self.recv_stride)
         return self.recv_wrs
 
     cdef int post_send_array(self, int n, int *posted) noexcept nogil:
