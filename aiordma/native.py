@@ -57,6 +57,7 @@ BUILD_INFO: Final = "_build.json"
 #: the modules mypyc compiles (``make native``; setup.py reads this literal)
 MODULES: tuple[str, ...] = (
     "aiordma.endpoint",
+    "aiordma.onesided",
     "aiordma.resources",
     "aiordma.lifecycle",
     "aiordma.protocol.engine",
