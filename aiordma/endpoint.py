@@ -30,7 +30,6 @@ access or length error raises that typed ``CompletionError``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import secrets
 from typing import Any, Final
@@ -137,15 +136,19 @@ class Endpoint:
             connect()
             return
         fut = self._loop.run_in_executor(None, connect)
-        try:
-            await uncancelled(fut)
-        except asyncio.CancelledError:
-            while not fut.done():  # bounded by the kernel's address-resolution timeout
-                with contextlib.suppress(asyncio.CancelledError):
-                    await asyncio.wait((fut,))
+        cancelled: asyncio.CancelledError | None = None
+        while not fut.done():  # bounded by the kernel's address-resolution timeout
+            try:
+                await asyncio.wait((fut,))
+            except asyncio.CancelledError as exc:
+                # (no await inside an except block: mypyc's compiled coroutine then
+                # leaves the exception set as the thread's current one)
+                cancelled = exc
+        if cancelled is not None:
             if not fut.cancelled():
                 fut.exception()  # retrieved: the cancellation is what the caller sees
-            raise
+            raise cancelled
+        fut.result()
 
     def start(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *,
               accepting: bool = False) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import sys
 import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -108,3 +109,7 @@ async def test_a_cancelled_connect_waits_for_the_transition_thread(
         release.set()
         with pytest.raises(asyncio.CancelledError):
             await asyncio.wait_for(task, T)
+    # nothing left "being handled" (a compiled coroutine that awaited inside an except
+    # block left the CancelledError as the thread's current exception, the context of
+    # every exception raised after it)
+    assert sys.exc_info() == (None, None, None)

@@ -25,6 +25,7 @@ LAYERS: dict[str, int] = {
     "resources": 5,
     "lifecycle": 5,
     "endpoint": 6,
+    "onesided": 6,  # the endpoint's one-sided operations (it imports Endpoint for types only)
     "connection": 7,
     "listener": 7,
     "transport": 8,
