@@ -51,7 +51,6 @@ from .resources import Resources
 from .verbs import Access, AsyncEvent, EventType
 
 _REMOTE_READ: Final = int(Access.REMOTE_READ)
-_MASK64: Final = (1 << 64) - 1
 _BUSY_READ_AHEAD: Final = 4 << 20  # staging bytes read ahead while a receive is in progress
 
 
