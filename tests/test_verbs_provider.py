@@ -54,6 +54,8 @@ pytestmark = pytest.mark.usefixtures("soft_cma")  # soft: with and without CMA
 S = WCStatus
 ACC_ALL = Access.LOCAL_WRITE | Access.REMOTE_WRITE | Access.REMOTE_READ | Access.REMOTE_ATOMIC
 WAIT_S = 10.0
+# a peer process's start: importing aiordma and pyverbs took 7-10 s in the TCG guest
+CHILD_START_S = 60.0
 PSN = 0x1234
 
 
@@ -1127,11 +1129,11 @@ class Child:
         script = os.path.join(os.path.dirname(__file__), "verbs_peer.py")
         self.proc = subprocess.Popen([sys.executable, script], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, env=env, text=True)
-        self.info = self._line()
+        self.info = self._line(CHILD_START_S)
 
-    def _line(self) -> dict[str, Any]:
+    def _line(self, timeout: float = WAIT_S) -> dict[str, Any]:
         assert self.proc.stdout is not None
-        r, _, _ = select.select([self.proc.stdout], [], [], WAIT_S)
+        r, _, _ = select.select([self.proc.stdout], [], [], timeout)
         assert r, "peer process did not answer"
         line = self.proc.stdout.readline()
         assert line, f"peer process exited ({self.proc.poll()})"
@@ -1178,13 +1180,26 @@ class Child:
                 f.close()
 
 
-@pytest.fixture
-def child(provider_name: str) -> Iterator[Child]:
+def _child(provider_name: str) -> Iterator[Child]:
     c = Child(provider_name)
     yield c
     if c.proc.poll() is None:
         os.kill(c.proc.pid, signal.SIGCONT)
     c.kill()
+
+
+@pytest.fixture
+def child(provider_name: str) -> Iterator[Child]:
+    yield from _child(provider_name)
+
+
+@pytest.fixture
+def soft_child(provider_name: str) -> Iterator[Child]:
+    """``child`` for the tests of soft's ACK timer, skipped on other providers before
+    the peer process starts (rxe's kernel keeps answering for a stopped process)."""
+    if provider_name != "soft":
+        pytest.skip("soft's ACK timer: rxe's kernel keeps answering for a stopped process")
+    yield from _child(provider_name)
 
 
 def _one_sided_roundtrip(p_cq: CQ, qp: QP, m: MR, buf: bytearray, info: dict[str, Any]) -> None:
@@ -1234,13 +1249,10 @@ def test_multiprocess_one_sided_and_peer_killed(ctx: Context, res: Resources, ch
     assert qp.state == QPState.ERR
 
 
-def _soft_pair_with_a_child(ctx: Context, res: Resources, child: Child, provider_name: str,
+def _soft_pair_with_a_child(ctx: Context, res: Resources, child: Child,
                             *, timeout: int, retry_cnt: int) -> tuple[CQ, QP, MR]:
-    """soft only (skips otherwise: rxe's kernel keeps answering for a stopped process):
-    a QP connected to the child's with this ACK ``timeout`` and ``retry_cnt``, proven by
-    one READ/WRITE round trip; returns its CQ, the QP and a 4 KiB MR of ours."""
-    if provider_name != "soft":
-        pytest.skip("soft's ACK timer: rxe's kernel keeps answering for a stopped process")
+    """A QP connected to the child's with this ACK ``timeout`` and ``retry_cnt``, proven
+    by one READ/WRITE round trip; returns its CQ, the QP and a 4 KiB MR of ours."""
     pd = res.add(ctx.alloc_pd())
     cq = res.add(ctx.create_cq(64))
     qp = res.add(pd.create_qp(cq, cq, QPCap(max_send_wr=16, max_recv_wr=16)))
@@ -1253,8 +1265,9 @@ def _soft_pair_with_a_child(ctx: Context, res: Resources, child: Child, provider
 
 @pytest.mark.multiprocess
 def test_multiprocess_silent_peer_ack_timeout(ctx: Context, res: Resources,
-                                              child: Child, provider_name: str) -> None:
-    cq, qp, m = _soft_pair_with_a_child(ctx, res, child, provider_name, timeout=10,
+                                              soft_child: Child) -> None:
+    child = soft_child
+    cq, qp, m = _soft_pair_with_a_child(ctx, res, child, timeout=10,
                                         retry_cnt=2)  # 4.2 ms * 3 (soft: 134 ms a try)
     child.stop()  # alive (its sockets stay open) but silent
     t0 = time.monotonic()
@@ -1267,11 +1280,11 @@ def test_multiprocess_silent_peer_ack_timeout(ctx: Context, res: Resources,
 
 @pytest.mark.multiprocess
 def test_multiprocess_soft_retries_outlast_a_short_pause(ctx: Context, res: Resources,
-                                                         child: Child, provider_name: str) -> None:
+                                                         soft_child: Child) -> None:
     """soft: tries of the local ACK timer that end while the peer is paused use retries
     (``local_ack_timeouts``), and the WR completes once it answers again."""
-    cq, qp, m = _soft_pair_with_a_child(ctx, res, child, provider_name, timeout=15,
-                                        retry_cnt=7)  # 134 ms a try, 8 tries
+    child = soft_child
+    cq, qp, m = _soft_pair_with_a_child(ctx, res, child, timeout=15, retry_cnt=7)  # 134 ms a try, 8 tries
     assert qp.local_ack_timeouts == 0
     child.stop()
     qp.post_send([send(7, [sge(m, 0, 64)], WROpcode.RDMA_READ, remote_addr=child.info["addr"],
@@ -1286,10 +1299,10 @@ def test_multiprocess_soft_retries_outlast_a_short_pause(ctx: Context, res: Reso
 
 @pytest.mark.multiprocess
 def test_multiprocess_soft_retry_exc_only_after_the_last_retry(
-        ctx: Context, res: Resources, child: Child, provider_name: str) -> None:
+        ctx: Context, res: Resources, soft_child: Child) -> None:
     """soft: RETRY_EXC_ERR comes on the try after the last of ``retry_cnt`` retries."""
-    cq, qp, m = _soft_pair_with_a_child(ctx, res, child, provider_name, timeout=15,
-                                        retry_cnt=3)
+    child = soft_child
+    cq, qp, m = _soft_pair_with_a_child(ctx, res, child, timeout=15, retry_cnt=3)
     child.stop()
     qp.post_send([send(8, [sge(m, 0, 64)], WROpcode.RDMA_WRITE, remote_addr=child.info["addr"],
                        rkey=child.info["rkey"])])
