@@ -29,13 +29,13 @@ only towards a peer that announced ``HANDSHAKE_FLAG_BATCH`` in its handshake.
 
 Flags are 0 except on RNDV_DONE. An empty DATA frame (aux 0) is a valid empty message.
 Writers raise ``LocalProtocolError`` for out-of-range arguments or a buffer too short for
-the header; ``parse_frame`` raises ``RemoteProtocolError`` for anything malformed.
+the header, ``TypeError`` for an argument of the wrong type (a non-int, a read-only
+buffer); ``parse_frame`` raises ``RemoteProtocolError`` for anything malformed.
 """
 
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass, fields
 from enum import IntEnum
 
 from .errors import LocalProtocolError, RemoteProtocolError
@@ -104,25 +104,47 @@ _TYPES: dict[int, FrameType] = {int(t): t for t in FrameType}
 _FT_DATA, _FT_RNDV, _FT_BATCH = FrameType.DATA, FrameType.RNDV, FrameType.BATCH
 
 
-@dataclass(frozen=True, slots=True)
 class Frame:
     """A parsed frame header (the payload stays in the receive buffer).
 
     ``payload_offset``/``payload_len`` locate a DATA payload (for BATCH: the records,
     see ``batch_records``) inside the buffer that was parsed (offset 8; length 0 for
     every other type). The ``rndv_*`` fields are set for RNDV
-    only. For RNDV and RNDV_DONE, ``aux`` is the msg_id.
+    only. For RNDV and RNDV_DONE, ``aux`` is the msg_id. Frames compare by value; the
+    parser builds a new one per frame and nothing changes it afterwards. (A plain class,
+    not a dataclass: compiled, its constructor is a C function, where a dataclass keeps
+    its generated ``__init__`` interpreted.)
     """
 
-    type: FrameType
-    credits: int
-    aux: int
-    flags: int
-    payload_offset: int
-    payload_len: int
-    rndv_length: int = 0
-    rndv_addr: int = 0
-    rndv_rkey: int = 0
+    __slots__ = ("type", "credits", "aux", "flags", "payload_offset", "payload_len",
+                 "rndv_length", "rndv_addr", "rndv_rkey")
+
+    def __init__(self, type: FrameType, credits: int, aux: int, flags: int,
+                 payload_offset: int, payload_len: int, rndv_length: int = 0,
+                 rndv_addr: int = 0, rndv_rkey: int = 0) -> None:
+        self.type = type
+        self.credits = credits
+        self.aux = aux
+        self.flags = flags
+        self.payload_offset = payload_offset
+        self.payload_len = payload_len
+        self.rndv_length = rndv_length
+        self.rndv_addr = rndv_addr
+        self.rndv_rkey = rndv_rkey
+
+    def _fields(self) -> tuple[int, ...]:
+        return (self.type, self.credits, self.aux, self.flags, self.payload_offset,
+                self.payload_len, self.rndv_length, self.rndv_addr, self.rndv_rkey)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Frame):
+            return NotImplemented
+        return self._fields() == other._fields()
+
+    def __repr__(self) -> str:
+        return ("Frame(type={!r}, credits={}, aux={}, flags={}, payload_offset={}, "
+                "payload_len={}, rndv_length={}, rndv_addr={}, rndv_rkey={})".format(
+                    self.type, *self._fields()[1:]))
 
     @property
     def msg_id(self) -> int:
@@ -133,29 +155,6 @@ class Frame:
     def ok(self) -> bool:
         """For RNDV_DONE: True if the receiver read the message successfully."""
         return self.flags == RNDV_OK
-
-
-# A frozen dataclass's generated __init__ costs ~1 us (one object.__setattr__ per field);
-# parse_frame fills the slots through their member descriptors instead (~3x faster).
-_new = object.__new__
-(_set_type, _set_credits, _set_aux, _set_flags, _set_off, _set_len, _set_rlen, _set_raddr,
- _set_rkey) = (Frame.__dict__[f.name].__set__ for f in fields(Frame))  # fmt: skip
-
-
-def _frame(
-    t: FrameType, credits: int, aux: int, flags: int, plen: int, rlen: int, raddr: int, rkey: int
-) -> Frame:
-    f: Frame = _new(Frame)
-    _set_type(f, t)
-    _set_credits(f, credits)
-    _set_aux(f, aux)
-    _set_flags(f, flags)
-    _set_off(f, HEADER_SIZE)
-    _set_len(f, plen)
-    _set_rlen(f, rlen)
-    _set_raddr(f, raddr)
-    _set_rkey(f, rkey)
-    return f
 
 
 def parse_frame(buf: ReadableBuffer, byte_len: int, max_message_size: int) -> Frame:
@@ -187,7 +186,7 @@ def parse_frame(buf: ReadableBuffer, byte_len: int, max_message_size: int) -> Fr
             )
         if flags:
             raise _bad_flags(t, flags)
-        return _frame(_FT_DATA, credits, aux, 0, aux, 0, 0, 0)
+        return Frame(_FT_DATA, credits, aux, 0, HEADER_SIZE, aux, 0, 0, 0)
     if t == _RNDV:
         if byte_len != RNDV_SIZE:
             raise RemoteProtocolError(f"RNDV frame must be {RNDV_SIZE} bytes, got {byte_len}")
@@ -198,7 +197,7 @@ def parse_frame(buf: ReadableBuffer, byte_len: int, max_message_size: int) -> Fr
             raise RemoteProtocolError(
                 f"RNDV length {length} out of range (1..max_message_size {max_message_size})"
             )
-        return _frame(_FT_RNDV, credits, aux, 0, 0, length, addr, rkey)
+        return Frame(_FT_RNDV, credits, aux, 0, HEADER_SIZE, 0, length, addr, rkey)
     if t == _BATCH:
         if flags:
             raise _bad_flags(t, flags)
@@ -206,7 +205,7 @@ def parse_frame(buf: ReadableBuffer, byte_len: int, max_message_size: int) -> Fr
             raise RemoteProtocolError(
                 f"BATCH of {aux} messages cannot fit {byte_len - HEADER_SIZE} bytes"
             )
-        return _frame(_FT_BATCH, credits, aux, 0, byte_len - HEADER_SIZE, 0, 0, 0)
+        return Frame(_FT_BATCH, credits, aux, 0, HEADER_SIZE, byte_len - HEADER_SIZE, 0, 0, 0)
     ftype = _TYPES.get(t)
     if ftype is None:
         raise RemoteProtocolError(f"unknown frame type {t}")
@@ -224,7 +223,7 @@ def parse_frame(buf: ReadableBuffer, byte_len: int, max_message_size: int) -> Fr
             raise RemoteProtocolError(f"{ftype.name} frame must have aux 0, got {aux}")
         if t == _CREDIT and credits == 0:
             raise RemoteProtocolError("CREDIT frame returns no credits")
-    return _frame(ftype, credits, aux, flags, 0, 0, 0, 0)
+    return Frame(ftype, credits, aux, flags, HEADER_SIZE, 0, 0, 0, 0)
 
 
 def batch_records(
@@ -380,17 +379,19 @@ def _write_empty(buf: WritableBuffer, t: int, credits: int) -> int:
 
 def _bad_args(
     buf: WritableBuffer, need: int, credits: int, **fields: tuple[int, int]
-) -> LocalProtocolError:
-    """Build the precise error for a failed pack (only on the error path)."""
+) -> Exception:
+    """Build the precise error for a failed pack (only on the error path): TypeError for
+    an argument of the wrong type (the compiled build raises it on entry already),
+    LocalProtocolError for a value out of range or a buffer too short."""
     for name, (value, limit) in {"credits": (credits, MAX_CREDITS), **fields}.items():
         if not isinstance(value, int):
-            return LocalProtocolError(f"{name} must be an int, got {type(value).__name__}")
+            return TypeError(f"{name} must be an int, got {type(value).__name__}")
         if not 0 <= value <= limit:
             return LocalProtocolError(f"{name} {value} out of range (0..{limit})")
     try:
         size = len(buf)
     except TypeError:
-        return LocalProtocolError(f"not a writable buffer: {type(buf).__name__}")
+        return TypeError(f"not a writable buffer: {type(buf).__name__}")
     if size < need:
         return LocalProtocolError(f"buffer of {size} bytes too small for a {need}-byte frame")
-    return LocalProtocolError(f"not a writable buffer: {type(buf).__name__}")
+    return TypeError(f"not a writable buffer: {type(buf).__name__}")

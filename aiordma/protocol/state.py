@@ -40,7 +40,15 @@ __all__ = ["State", "Local", "Remote", "Event", "TRANSITIONS", "LOCAL", "REMOTE"
            "ConnectionState"]
 
 
-class State(Enum):
+class _Enum(Enum):
+    """An enum whose members hash by identity, in C: ``Enum.__hash__`` is a Python
+    function, and the data path looks these members up in the tables below for every
+    message. (Members are singletons, and equal only to themselves.)"""
+
+    __hash__ = object.__hash__
+
+
+class State(_Enum):
     OPEN = "OPEN"
     LOCAL_CLOSING = "LOCAL_CLOSING"  # we sent CLOSE, the peer has not
     REMOTE_CLOSED = "REMOTE_CLOSED"  # the peer sent CLOSE, we still may send
@@ -48,19 +56,19 @@ class State(Enum):
     FAILED = "FAILED"  # error or abort
 
 
-class Local(Enum):
+class Local(_Enum):
     OPEN = "OPEN"
     DRAINING = "DRAINING"  # no new data; our CLOSE follows what was sent before
     CLOSE_SENT = "CLOSE_SENT"
 
 
-class Remote(Enum):
+class Remote(_Enum):
     OPEN = "OPEN"
     CLOSED = "CLOSED"  # its CLOSE arrived
     GONE = "GONE"  # and then its endpoint went away
 
 
-class Event(Enum):
+class Event(_Enum):
     SEND_DATA = "SEND_DATA"
     RECV_DATA = "RECV_DATA"
     SEND_CLOSE = "SEND_CLOSE"
