@@ -37,6 +37,11 @@ from typing import TYPE_CHECKING, Final, Protocol
 from . import cma, wire
 from .sink import STAGE_SIZE, Sink, discard
 
+# Enum members and library functions the per-packet path uses, as module constants:
+# compiled, each is a C static, where ``QPState.RTS`` or ``time.monotonic`` is an
+# attribute lookup per use.
+_monotonic: Final = time.monotonic
+
 if TYPE_CHECKING:
     from .cq import SoftCompChannel
     from .engine import Engine
@@ -85,7 +90,7 @@ class Conn:
         self.want_write = False
         self._write_requested = False
         self._sel_events = 0
-        self.last_tx = time.monotonic()
+        self.last_tx = _monotonic()
         self.last_rx = self.last_tx
         self.hello: tuple[int, ...] | None = None
         self.peer: tuple[str, int] | None = None
@@ -196,7 +201,7 @@ class Conn:
                     out[0] = memoryview(first)[n:]
                     n = 0
         if sent_any:
-            self.last_tx = time.monotonic()
+            self.last_tx = _monotonic()
         if out:
             self._need_write()
 
@@ -239,7 +244,7 @@ class Conn:
             self.state = CLOSING
             self.want_write = False
             self._need_write()
-            self.engine.call_at(time.monotonic() + CLOSE_LINGER_S, self._close_now)
+            self.engine.call_at(_monotonic() + CLOSE_LINGER_S, self._close_now)
         else:
             self.state = CLOSING
             self.out.clear()
@@ -333,7 +338,7 @@ class Conn:
                 return
             self.state = OPEN
             self.reading = True
-            self.last_tx = time.monotonic()
+            self.last_tx = _monotonic()
         if self.state not in (OPEN, CLOSING):
             return
         self.want_write = False
@@ -432,7 +437,7 @@ class Conn:
             self.fail()
             return
         if budget != READ_BUDGET:  # bytes came in (the ACK timer's progress)
-            self.last_rx = time.monotonic()
+            self.last_rx = _monotonic()
         owner = self.owner
         if owner is not None and self.state == OPEN:
             owner.conn_batch_end(self)

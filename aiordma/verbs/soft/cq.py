@@ -40,6 +40,13 @@ from ..wr import WC
 from .conn import OPEN
 from .notify import PipeFlag
 
+# Enum members and library functions the per-packet path uses, as module constants:
+# compiled, each is a C static, where ``QPState.RTS`` or ``time.monotonic`` is an
+# attribute lookup per use.
+_EV_CQ_ERR: Final = EventType.CQ_ERR
+_WC_SUCCESS: Final = WCStatus.SUCCESS
+_get_ident: Final = threading.get_ident
+
 if TYPE_CHECKING:
     from .conn import Conn
     from .context import SoftContext
@@ -83,7 +90,7 @@ class SoftCompChannel(CompChannel):
     def _post(self, cq: SoftCQ) -> None:
         """Queue an event for ``cq`` (device lock held)."""
         self._events.append(cq)
-        if not (self._quiet and threading.get_ident() == self._consumer):
+        if not (self._quiet and _get_ident() == self._consumer):
             self._flag.raise_()
 
     # --- manual progress -----------------------------------------------------------------
@@ -97,7 +104,7 @@ class SoftCompChannel(CompChannel):
                 self._ep = select.epoll()
                 self.progress_fd = self._ep.fileno()
                 self._ctx._engine.add_progress_channel(self)
-            self._consumer = threading.get_ident()
+            self._consumer = _get_ident()
             return self.progress_fd
 
     @property
@@ -135,7 +142,7 @@ class SoftCompChannel(CompChannel):
         ep = self._ep
         if ep is None:
             return 0
-        me = threading.get_ident()
+        me = _get_ident()
         if me == self._consumer:
             self._serviced += 1
             if self.takeover:
@@ -185,7 +192,7 @@ class SoftCompChannel(CompChannel):
         """Lock held. Inside the consumer's ``progress(quiet=True)``: keep ``qp``'s ACK
         for ``flush()`` -- the application usually answers first, and the ACK then
         rides in the same write as the answer -- and return True."""
-        if self._quiet and threading.get_ident() == self._consumer:
+        if self._quiet and _get_ident() == self._consumer:
             self._acks.add(qp)
             return True
         return False
@@ -312,7 +319,7 @@ class SoftCQ(CQ):
         if len(self._q) >= self.cqe:
             self._overrun = True
             self._q.clear()
-            self._ctx._post_async(AsyncEvent(EventType.CQ_ERR, cq=self))
+            self._ctx._post_async(AsyncEvent(_EV_CQ_ERR, cq=self))
             victims = list(self._qps)
             engine = self._ctx._engine
 
@@ -324,7 +331,7 @@ class SoftCQ(CQ):
             return
         self._q.append((wc, qp, gen, release))
         armed = self._armed
-        if armed and (armed == _ARM_ANY or solicited or wc.status != WCStatus.SUCCESS):
+        if armed and (armed == _ARM_ANY or solicited or wc.status != _WC_SUCCESS):
             self._armed = _ARM_NONE
             if self.channel is not None:
                 self.channel._post(self)
@@ -345,7 +352,7 @@ class SoftCQ(CQ):
             if self._overrun:
                 raise CQOverrunError()
             ch = self.channel
-            if ch is not None and ch._ep is not None and threading.get_ident() == ch._consumer:
+            if ch is not None and ch._ep is not None and _get_ident() == ch._consumer:
                 return []  # manual progress: the consumer calls progress() to move bytes
             # Yield the GIL once: a caller busy-polling in pure Python would otherwise
             # keep the NIC thread (which produces the completions) waiting for the GIL

@@ -20,6 +20,19 @@ from .qpcore import RWQE, SWQE
 from .responder import Responder
 from .sink import Sink, discard
 
+# Enum members and library functions the per-packet path uses, as module constants:
+# compiled, each is a C static, where ``QPState.RTS`` or ``time.monotonic`` is an
+# attribute lookup per use.
+_QP_ERR: Final = QPState.ERR
+_QP_INIT: Final = QPState.INIT
+_QP_RESET: Final = QPState.RESET
+_QP_RTR: Final = QPState.RTR
+_QP_RTS: Final = QPState.RTS
+_WC_LOC_LEN_ERR: Final = WCStatus.LOC_LEN_ERR
+_WC_LOC_PROT_ERR: Final = WCStatus.LOC_PROT_ERR
+_WC_WR_FLUSH_ERR: Final = WCStatus.WR_FLUSH_ERR
+_string_at: Final = ctypes.string_at
+
 if TYPE_CHECKING:
     from .cq import SoftCQ
     from .mr import SoftPD
@@ -46,11 +59,11 @@ _PSN_MASK: Final = wire.PSN_MASK
 _M64: Final = 0xFFFFFFFFFFFFFFFF
 
 _LEGAL: Final = {
-    (QPState.RESET, QPState.INIT),
-    (QPState.INIT, QPState.INIT),
-    (QPState.INIT, QPState.RTR),
-    (QPState.RTR, QPState.RTS),
-    (QPState.RTS, QPState.RTS),
+    (_QP_RESET, _QP_INIT),
+    (_QP_INIT, _QP_INIT),
+    (_QP_INIT, _QP_RTR),
+    (_QP_RTR, _QP_RTS),
+    (_QP_RTS, _QP_RTS),
 }
 
 
@@ -130,26 +143,26 @@ class SoftQP(Responder):
             if self._closed:
                 raise RDMAError(errno.EINVAL, "QP is closed")
             cur, new = self._state, QPState(attr.qp_state)
-            if new == QPState.RESET:
+            if new == _QP_RESET:
                 self._reset()
                 return
-            if new == QPState.ERR:
+            if new == _QP_ERR:
                 self._to_error(None)
                 return
             if (cur, new) not in _LEGAL:
                 raise RDMAError(errno.EINVAL, f"illegal QP state transition {cur.name} -> {new.name}")
-            if new == QPState.INIT:
+            if new == _QP_INIT:
                 if attr.port_num != 1:
                     raise RDMAError(errno.EINVAL, f"no port {attr.port_num} (soft0 has port 1)")
                 key = attr.auth_key
                 if key is not None and (not isinstance(key, bytes) or len(key) < 16):
                     raise RDMAError(errno.EINVAL, "auth_key must be bytes, at least 16")
-                if cur == QPState.RESET or key is not None:
+                if cur == _QP_RESET or key is not None:
                     self._auth_key = key if key is not None else engine.secret
                 self._access = attr.qp_access_flags
                 self._acc = int(attr.qp_access_flags)
-                self._state = QPState.INIT
-            elif new == QPState.RTR:
+                self._state = _QP_INIT
+            elif new == _QP_RTR:
                 ah = attr.ah_attr
                 if ah is None or len(bytes(ah.dgid)) != 16 or not 0 < ah.dlid <= 0xFFFF:
                     raise RDMAError(errno.EINVAL,
@@ -160,7 +173,7 @@ class SoftQP(Responder):
                 self._dest_qpn = attr.dest_qp_num & 0xFFFFFF
                 self._epsn = attr.rq_psn & wire.PSN_MASK
                 self._min_rnr_timer = attr.min_rnr_timer
-                self._state = QPState.RTR
+                self._state = _QP_RTR
                 try:
                     self._connect(lazy=True, at_rtr=True)
                 except RDMAError:
@@ -172,13 +185,13 @@ class SoftQP(Responder):
                 if not 0 <= attr.timeout <= 31 or not 0 <= attr.retry_cnt <= 7 \
                         or not 0 <= attr.rnr_retry <= 7:
                     raise RDMAError(errno.EINVAL, "timeout 0..31, retry_cnt and rnr_retry 0..7")
-                if cur == QPState.RTR:
+                if cur == _QP_RTR:
                     self._next_psn = attr.sq_psn & wire.PSN_MASK
                 self._timeout = attr.timeout
                 self._retry_cnt = attr.retry_cnt
                 self._retries_left = attr.retry_cnt
                 self._rnr_retry = attr.rnr_retry
-                self._state = QPState.RTS
+                self._state = _QP_RTS
                 self._pump()
 
     def _reset(self) -> None:
@@ -196,12 +209,12 @@ class SoftQP(Responder):
         self._conn_wait = False
         self._auth_key = None
         self._hello_nonces.clear()
-        self._state = QPState.RESET
+        self._state = _QP_RESET
 
     def post_send(self, wrs: list[SendWR]) -> None:
         with self._engine.lock:
             st = self._state
-            if self._closed or st in (QPState.RESET, QPState.INIT, QPState.RTR):
+            if self._closed or st in (_QP_RESET, _QP_INIT, _QP_RTR):
                 raise PostError(errno.EINVAL, f"post_send on a QP in {st.name}")
             if self._sq_used + len(wrs) > self.cap.max_send_wr:
                 raise PostError(errno.ENOMEM,
@@ -209,9 +222,9 @@ class SoftQP(Responder):
                                 f"in use, {len(wrs)} more posted)")
             built = [self._build(wr) for wr in wrs]
             self._sq_used += len(built)
-            if st == QPState.ERR:
+            if st == _QP_ERR:
                 for w, _ in built:
-                    self._sq_complete(w, WCStatus.WR_FLUSH_ERR)
+                    self._sq_complete(w, _WC_WR_FLUSH_ERR)
                 return
             psn = self._next_psn
             pack = _HDR_PACK
@@ -238,12 +251,12 @@ class SoftQP(Responder):
         else:
             views = self._resolve(sg, need_write=op in _RD_ATOMIC)
             if views is None:
-                error = WCStatus.LOC_PROT_ERR
+                error = _WC_LOC_PROT_ERR
                 segs = []
             else:
                 segs = views
         if length > wire.MAX_MSG:
-            error = WCStatus.LOC_LEN_ERR
+            error = _WC_LOC_LEN_ERR
         w = SWQE(wr.wr_id, op, WC_OPCODE_FOR_WR[wr.opcode], segs, length,
                  flags & _SIGNALED != 0, error, flags & _FENCE != 0, op in _RD_ATOMIC)
         return w, wr
@@ -259,13 +272,13 @@ class SoftQP(Responder):
             if mr is not None and 0 <= off and off + s.length <= mr.length:
                 parts.append(bytes(mr.view[off:off + s.length]))
             else:  # inline data needs no registration: read the caller's memory
-                parts.append(ctypes.string_at(s.addr, s.length))
+                parts.append(_string_at(s.addr, s.length))
         return b"".join(parts)
 
     def post_recv(self, wrs: list[RecvWR]) -> None:
         with self._engine.lock:
             st = self._state
-            if self._closed or st == QPState.RESET:
+            if self._closed or st == _QP_RESET:
                 raise PostError(errno.EINVAL, f"post_recv on a QP in {st.name}")
             if len(self._rq) + len(wrs) > self.cap.max_recv_wr:
                 raise PostError(errno.ENOMEM,
@@ -273,9 +286,9 @@ class SoftQP(Responder):
                                 f"in use, {len(wrs)} more posted)")
             check_recv_wrs(wrs, self.cap)
             rwqes = [RWQE(wr.wr_id, list(wr.sg_list)) for wr in wrs]
-            if st == QPState.ERR:
+            if st == _QP_ERR:
                 for r in rwqes:
-                    self._rq_complete(r, WCStatus.WR_FLUSH_ERR)
+                    self._rq_complete(r, _WC_WR_FLUSH_ERR)
                 return
             self._rq.extend(rwqes)
 

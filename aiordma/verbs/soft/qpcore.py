@@ -15,6 +15,15 @@ from ..enums import Access, EventType, QPState, WCFlags, WCOpcode, WCStatus
 from ..wr import SGE, WC
 from . import wire
 
+# Enum members and library functions the per-packet path uses, as module constants:
+# compiled, each is a C static, where ``QPState.RTS`` or ``time.monotonic`` is an
+# attribute lookup per use.
+_QP_ERR: Final = QPState.ERR
+_QP_RESET: Final = QPState.RESET
+_WCOP_RECV: Final = WCOpcode.RECV
+_WC_SUCCESS: Final = WCStatus.SUCCESS
+_WC_WR_FLUSH_ERR: Final = WCStatus.WR_FLUSH_ERR
+
 _LOCAL_WRITE: Final = int(Access.LOCAL_WRITE)
 #: connections a QP admits in its life (each direction may reconnect a few times)
 MAX_HELLOS: Final = 16
@@ -97,7 +106,7 @@ class QPCore(QP):
         self.recv_cq = recv_cq
         self.cap = cap
         self.qp_num = qpn
-        self._state = QPState.RESET
+        self._state = _QP_RESET
         self._closed = False
         self._gen = 0
         self._sq_used = 0
@@ -163,7 +172,7 @@ class QPCore(QP):
 
     # --- completions -------------------------------------------------------------------
     def _sq_complete(self, w: SWQE, status: WCStatus, byte_len: int = 0) -> None:
-        if status == WCStatus.SUCCESS and not w.signaled:
+        if status == _WC_SUCCESS and not w.signaled:
             self._unsig += 1
             return
         release = 1 + self._unsig
@@ -171,7 +180,7 @@ class QPCore(QP):
         self.send_cq.push(WC(w.wr_id, status, w.wc_opcode, byte_len, qp_num=self.qp_num),
                           self, self._gen, release)
 
-    def _rq_complete(self, r: RWQE, status: WCStatus, opcode: WCOpcode = WCOpcode.RECV,
+    def _rq_complete(self, r: RWQE, status: WCStatus, opcode: WCOpcode = _WCOP_RECV,
                      byte_len: int = 0, imm: int | None = None, solicited: bool = False) -> None:
         wc = WC(r.wr_id, status, opcode, byte_len, qp_num=self.qp_num, src_qp=self._dest_qpn,
                 imm_data=imm or 0, wc_flags=WCFlags.WITH_IMM if imm is not None else 0)
@@ -205,16 +214,16 @@ class QPCore(QP):
         self._to_error(None)
 
     def _to_error(self, event: EventType | None) -> None:
-        if self._closed or self._state == QPState.ERR:
+        if self._closed or self._state == _QP_ERR:
             return
-        self._state = QPState.ERR
+        self._state = _QP_ERR
         self._rnr_wait = False
         for q in (self._inflight, self._unsent):
             while q:
-                self._sq_complete(q.popleft(), WCStatus.WR_FLUSH_ERR)
+                self._sq_complete(q.popleft(), _WC_WR_FLUSH_ERR)
         rq = self._rq
         while rq:
-            self._rq_complete(rq.popleft(), WCStatus.WR_FLUSH_ERR)
+            self._rq_complete(rq.popleft(), _WC_WR_FLUSH_ERR)
         self._drop_conns(graceful=True)
         if event is not None:
             self._ctx._post_async(AsyncEvent(event, qp_num=self.qp_num))

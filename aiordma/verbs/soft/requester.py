@@ -30,6 +30,19 @@ from .conn import CLOSING, CONNECTING, OPEN, Conn
 from .qpcore import SWQE, QPCore, scatter
 from .sink import Sink, discard
 
+# Enum members and library functions the per-packet path uses, as module constants:
+# compiled, each is a C static, where ``QPState.RTS`` or ``time.monotonic`` is an
+# attribute lookup per use.
+_QP_RTS: Final = QPState.RTS
+_WC_BAD_RESP_ERR: Final = WCStatus.BAD_RESP_ERR
+_WC_REM_ACCESS_ERR: Final = WCStatus.REM_ACCESS_ERR
+_WC_REM_INV_REQ_ERR: Final = WCStatus.REM_INV_REQ_ERR
+_WC_REM_OP_ERR: Final = WCStatus.REM_OP_ERR
+_WC_RETRY_EXC_ERR: Final = WCStatus.RETRY_EXC_ERR
+_WC_RNR_RETRY_EXC_ERR: Final = WCStatus.RNR_RETRY_EXC_ERR
+_WC_SUCCESS: Final = WCStatus.SUCCESS
+_monotonic: Final = time.monotonic
+
 #: smallest ``timeout`` code a try honours (134 ms): the soft responder is a thread of
 #: the peer's process, which can stall (GIL, GC, a loaded machine) for tens of
 #: milliseconds where a NIC answers in microseconds; a smaller code acts as this one
@@ -42,9 +55,9 @@ _U32: Final = struct.Struct("<I")
 _U64X2: Final = struct.Struct("<QQ")
 
 _NAK_STATUS: Final = {
-    wire.NAK_INV_REQ: WCStatus.REM_INV_REQ_ERR,
-    wire.NAK_REM_ACCESS: WCStatus.REM_ACCESS_ERR,
-    wire.NAK_REM_OP: WCStatus.REM_OP_ERR,
+    wire.NAK_INV_REQ: _WC_REM_INV_REQ_ERR,
+    wire.NAK_REM_ACCESS: _WC_REM_ACCESS_ERR,
+    wire.NAK_REM_OP: _WC_REM_OP_ERR,
 }
 
 
@@ -107,17 +120,17 @@ class Requester(QPCore):
             return
         self._conn_wait = True
         gen = self._gen
-        deadline = time.monotonic() + PEER_CONNECT_WAIT_S
+        deadline = _monotonic() + PEER_CONNECT_WAIT_S
 
         def check() -> None:
-            if gen != self._gen or self._state != QPState.RTS:
+            if gen != self._gen or self._state != _QP_RTS:
                 self._conn_wait = False
                 return
             conn = self._req_conn
             if conn is None or conn.state >= CLOSING:
-                conn = self._connect(lazy=time.monotonic() < deadline)
+                conn = self._connect(lazy=_monotonic() < deadline)
                 if conn is None:
-                    self._engine.call_at(min(time.monotonic() + 0.002, deadline), check)
+                    self._engine.call_at(min(_monotonic() + 0.002, deadline), check)
                     return
             self._conn_wait = False
             self._pump()
@@ -126,14 +139,14 @@ class Requester(QPCore):
 
     def _req_conn_closed(self, conn: Conn) -> None:
         self._req_conn = None
-        if self._state == QPState.RTS and (self._inflight or self._unsent):
+        if self._state == _QP_RTS and (self._inflight or self._unsent):
             # the peer is gone (killed, reset, refused, or its QP went to ERR)
-            self._fail_send(WCStatus.RETRY_EXC_ERR)
+            self._fail_send(_WC_RETRY_EXC_ERR)
 
     # --- transmit -----------------------------------------------------------------------
     def _pump(self) -> None:
         """Transmit queued WRs in order, as far as RNR wait, fences and errors allow."""
-        if self._state != QPState.RTS or self._rnr_wait or not self._unsent:
+        if self._state != _QP_RTS or self._rnr_wait or not self._unsent:
             return
         conn = self._req_conn
         if conn is None or conn.state >= CLOSING:
@@ -146,7 +159,7 @@ class Requester(QPCore):
         bufs: list[bytes | memoryview] = []
         cma_min = conn.cma_min if conn.cma_ready() else -1
         if not inflight:
-            self._progress = time.monotonic()
+            self._progress = _monotonic()
         while unsent:
             w = unsent[0]
             if w.error is not None:
@@ -206,14 +219,14 @@ class Requester(QPCore):
         if gen != self._gen:
             return  # a timer of the QP's life before a RESET
         self._ack_armed = False
-        if self._state != QPState.RTS:
+        if self._state != _QP_RTS:
             return
         if not (self._inflight or self._unsent):
             return
         t = self._ack_timeout_s()
         if t is None:
             return
-        now = time.monotonic()
+        now = _monotonic()
         if self._rnr_wait:
             self._progress = now
         last = self._last_progress()
@@ -225,7 +238,7 @@ class Requester(QPCore):
             self._engine.call_at(start + t, lambda: self._ack_check(gen))
             return
         if self._retries_left <= 0:
-            self._fail_send(WCStatus.RETRY_EXC_ERR)
+            self._fail_send(_WC_RETRY_EXC_ERR)
             return
         self._retries_left -= 1  # a try without progress: the next one begins now
         self.local_ack_timeouts += 1
@@ -236,9 +249,9 @@ class Requester(QPCore):
     # --- responses -----------------------------------------------------------------------
     def _on_response(self, conn: Conn, h: tuple[int, ...]) -> Sink | None:
         op, flags, aux, psn, length, _imm, _rkey, _pad, _raddr, value, _swap = h
-        if self._state != QPState.RTS or op not in wire.RESPONSE_OPS:
+        if self._state != _QP_RTS or op not in wire.RESPONSE_OPS:
             return discard(wire.payload_len(h))
-        self._progress = time.monotonic()
+        self._progress = _monotonic()
         inflight = self._inflight
         # implicit acknowledgement of everything before psn (and psn itself for an ACK)
         while inflight:
@@ -248,7 +261,7 @@ class Requester(QPCore):
                     break
                 inflight.popleft()
                 w.segs = []
-                self._sq_complete(w, WCStatus.SUCCESS, w.length)
+                self._sq_complete(w, _WC_SUCCESS, w.length)
             else:
                 break
         if op == wire.OP_ACK:
@@ -263,25 +276,25 @@ class Requester(QPCore):
                 self._on_rnr(flags)
                 return None
             inflight.popleft()
-            self._sq_complete(w, _NAK_STATUS.get(aux, WCStatus.REM_OP_ERR))
+            self._sq_complete(w, _NAK_STATUS.get(aux, _WC_REM_OP_ERR))
             self._to_error(None)
             return None
         if op == wire.OP_ATOMIC_RESP:
             inflight.popleft()
             w.segs[0][:8] = (value & 0xFFFFFFFFFFFFFFFF).to_bytes(8, "little")
-            self._sq_complete(w, WCStatus.SUCCESS, 8)
+            self._sq_complete(w, _WC_SUCCESS, 8)
             if self._unsent:
                 self._pump()
             return None
         # READ response
         if length != w.length:
             inflight.popleft()
-            self._sq_complete(w, WCStatus.BAD_RESP_ERR)
+            self._sq_complete(w, _WC_BAD_RESP_ERR)
             self._to_error(None)
             return discard(wire.payload_len(h))
         if flags & wire.FLAG_CMA:  # the responder wrote the data in place (cma)
             inflight.popleft()
-            self._sq_complete(w, WCStatus.SUCCESS, length)
+            self._sq_complete(w, _WC_SUCCESS, length)
             if self._unsent:
                 self._pump()
             return None
@@ -290,8 +303,8 @@ class Requester(QPCore):
         def done() -> None:
             if self._gen == gen and self._inflight and self._inflight[0] is w:
                 self._inflight.popleft()
-                self._progress = time.monotonic()
-                self._sq_complete(w, WCStatus.SUCCESS, length)
+                self._progress = _monotonic()
+                self._sq_complete(w, _WC_SUCCESS, length)
                 if self._unsent:
                     self._pump()
 
@@ -305,7 +318,7 @@ class Requester(QPCore):
         if self._rnr_retry != 7:
             if w.rnr_left == 0:
                 inflight.popleft()
-                self._sq_complete(w, WCStatus.RNR_RETRY_EXC_ERR)
+                self._sq_complete(w, _WC_RNR_RETRY_EXC_ERR)
                 self._to_error(None)
                 return
             w.rnr_left -= 1
@@ -316,13 +329,13 @@ class Requester(QPCore):
         self._rnr_wait = True
         gen = self._gen
         delay = wire.RNR_TIMER_S[timer_code & 31]
-        self._engine.call_at(time.monotonic() + delay, lambda: self._rnr_resume(gen))
+        self._engine.call_at(_monotonic() + delay, lambda: self._rnr_resume(gen))
 
     def _rnr_resume(self, gen: int) -> None:
-        if gen != self._gen or self._state != QPState.RTS or not self._rnr_wait:
+        if gen != self._gen or self._state != _QP_RTS or not self._rnr_wait:
             return
         self._rnr_wait = False
-        self._progress = time.monotonic()
+        self._progress = _monotonic()
         self._pump()
 
 

@@ -27,6 +27,19 @@ from .qpcore import scatter
 from .requester import Requester
 from .sink import Sink, discard
 
+# Enum members and library functions the per-packet path uses, as module constants:
+# compiled, each is a C static, where ``QPState.RTS`` or ``time.monotonic`` is an
+# attribute lookup per use.
+_EV_QP_ACCESS_ERR: Final = EventType.QP_ACCESS_ERR
+_EV_QP_REQ_ERR: Final = EventType.QP_REQ_ERR
+_QP_RTR: Final = QPState.RTR
+_QP_RTS: Final = QPState.RTS
+_WCOP_RECV: Final = WCOpcode.RECV
+_WCOP_RECV_RDMA_WITH_IMM: Final = WCOpcode.RECV_RDMA_WITH_IMM
+_WC_LOC_LEN_ERR: Final = WCStatus.LOC_LEN_ERR
+_WC_LOC_PROT_ERR: Final = WCStatus.LOC_PROT_ERR
+_WC_SUCCESS: Final = WCStatus.SUCCESS
+
 _M64: Final = 0xFFFFFFFFFFFFFFFF
 
 
@@ -46,7 +59,7 @@ _QP_RIGHT: Final = {
 class Responder(Requester):
     def _bind_resp(self, conn: Conn, src_qpn: int) -> bool:
         """Accept ``conn`` as this QP's responder connection if it comes from our peer QP."""
-        if src_qpn != self._dest_qpn or self._state not in (QPState.RTR, QPState.RTS):
+        if src_qpn != self._dest_qpn or self._state not in (_QP_RTR, _QP_RTS):
             conn.shutdown(graceful=False)
             return False
         old = self._resp_conn
@@ -113,7 +126,7 @@ class Responder(Requester):
         copy = _CMACopy(conn, [src], plen, write=True, shm=shm)
 
         def read_done() -> None:
-            if self._gen != gen or self._state not in (QPState.RTR, QPState.RTS):
+            if self._gen != gen or self._state not in (_QP_RTR, _QP_RTS):
                 return
             if copy.err:
                 self._nak_error(conn, psn, wire.NAK_REM_OP, None)
@@ -127,7 +140,7 @@ class Responder(Requester):
     def _on_request(self, conn: Conn, h: tuple[int, ...]) -> Sink | None:
         op, flags, aux, psn, length, imm, rkey, _pad, raddr, compare_add, swap = h
         plen = wire.payload_len(h)
-        if (self._state not in (QPState.RTR, QPState.RTS) or psn != self._epsn
+        if (self._state not in (_QP_RTR, _QP_RTS) or psn != self._epsn
                 or op not in wire.REQUEST_OPS):
             # out of sequence (e.g. behind an RNR NAK'd request): drop, the requester resends
             return discard(plen)
@@ -147,14 +160,14 @@ class Responder(Requester):
             r = rq[0]
             if length > r.length:
                 rq.popleft()
-                self._rq_complete(r, WCStatus.LOC_LEN_ERR)
+                self._rq_complete(r, _WC_LOC_LEN_ERR)
                 # rxe answers a too-long SEND with a remote operational error NAK
-                self._nak_error(conn, psn, wire.NAK_REM_OP, EventType.QP_REQ_ERR)
+                self._nak_error(conn, psn, wire.NAK_REM_OP, _EV_QP_REQ_ERR)
                 return discard(length)
             views = self._resolve(r.sg_list, need_write=True)
             if views is None:
                 rq.popleft()
-                self._rq_complete(r, WCStatus.LOC_PROT_ERR)
+                self._rq_complete(r, _WC_LOC_PROT_ERR)
                 self._nak_error(conn, psn, wire.NAK_REM_OP, None)
                 return discard(length)
             with_imm = imm if op == wire.OP_SEND_IMM else None
@@ -166,7 +179,7 @@ class Responder(Requester):
                 self._rq.popleft()
                 self._epsn = wire.psn_add(psn)
                 self._ack_pending = psn
-                self._rq_complete(r, WCStatus.SUCCESS, WCOpcode.RECV, length, with_imm, solicited)
+                self._rq_complete(r, _WC_SUCCESS, _WCOP_RECV, length, with_imm, solicited)
 
             return Sink(scatter(views, length), length, send_done)
 
@@ -174,7 +187,7 @@ class Responder(Requester):
             if length:
                 target = self._rkey_view(rkey, raddr, length, _REMOTE_WRITE)
                 if target is None:
-                    self._nak_error(conn, psn, wire.NAK_REM_ACCESS, EventType.QP_ACCESS_ERR)
+                    self._nak_error(conn, psn, wire.NAK_REM_ACCESS, _EV_QP_ACCESS_ERR)
                     return discard(plen)
                 segs = [target]
             else:
@@ -184,7 +197,7 @@ class Responder(Requester):
             cma_copy = _CMACopy(conn, segs, plen, write=False) if flags & wire.FLAG_CMA else None
 
             def write_done() -> None:
-                if self._gen != gen or self._state not in (QPState.RTR, QPState.RTS):
+                if self._gen != gen or self._state not in (_QP_RTR, _QP_RTS):
                     return
                 if cma_copy is not None and cma_copy.err:
                     self._nak_error(conn, psn, wire.NAK_REM_OP, None)
@@ -193,7 +206,7 @@ class Responder(Requester):
                     if not self._rq or self._rq[0] is not r0:
                         return
                     self._rq.popleft()
-                    self._rq_complete(r0, WCStatus.SUCCESS, WCOpcode.RECV_RDMA_WITH_IMM, length,
+                    self._rq_complete(r0, _WC_SUCCESS, _WCOP_RECV_RDMA_WITH_IMM, length,
                                       imm, solicited)
                 self._epsn = wire.psn_add(psn)
                 self._ack_pending = psn
@@ -206,7 +219,7 @@ class Responder(Requester):
             if length:
                 src = self._rkey_view(rkey, raddr, length, _REMOTE_READ)
                 if src is None:
-                    self._nak_error(conn, psn, wire.NAK_REM_ACCESS, EventType.QP_ACCESS_ERR)
+                    self._nak_error(conn, psn, wire.NAK_REM_ACCESS, _EV_QP_ACCESS_ERR)
                     return discard(plen)
                 if flags & wire.FLAG_CMA:
                     shm = (imm, swap, compare_add) if flags & wire.FLAG_SHM else None
@@ -221,10 +234,10 @@ class Responder(Requester):
         # atomics
         target = self._rkey_view(rkey, raddr, 8, _REMOTE_ATOMIC)
         if target is None:
-            self._nak_error(conn, psn, wire.NAK_REM_ACCESS, EventType.QP_ACCESS_ERR)
+            self._nak_error(conn, psn, wire.NAK_REM_ACCESS, _EV_QP_ACCESS_ERR)
             return None
         if raddr % 8:
-            self._nak_error(conn, psn, wire.NAK_INV_REQ, EventType.QP_REQ_ERR)
+            self._nak_error(conn, psn, wire.NAK_INV_REQ, _EV_QP_REQ_ERR)
             return None
         old = int.from_bytes(target, "little")
         if op == wire.OP_FETCH_ADD:
