@@ -54,6 +54,20 @@ _REMOTE_READ: Final = int(Access.REMOTE_READ)
 _BUSY_READ_AHEAD: Final = 4 << 20  # staging bytes read ahead while a receive is in progress
 
 
+
+def _flat_view(data: Any) -> memoryview:
+    """``data`` as a one-dimensional memoryview of bytes. Raises TypeError for a
+    non-bytes-like object or a buffer that is not C-contiguous."""
+    try:
+        mv = memoryview(data)
+    except TypeError:
+        raise TypeError(f"a bytes-like object is required, not {type(data).__name__!r}") from None
+    if mv.ndim != 1 or mv.format != "B":
+        if not mv.c_contiguous:
+            raise TypeError("a C-contiguous buffer is required")
+        mv = mv.cast("B")
+    return mv
+
 class Endpoint:
     """A connected RDMA endpoint. Create with ``aiordma.connect`` or ``aiordma.listen``.
 
@@ -257,15 +271,13 @@ class Endpoint:
         e = self._engine
         if not e.state.can_send or self._life.closing is not None or e.credits is None:
             self._check_send()  # raises the precise error
-        try:
+        cls = type(data)
+        if cls is bytes or cls is bytearray:  # the usual case: flat bytes already
             mv = memoryview(data)
-        except TypeError:
-            raise TypeError(f"a bytes-like object is required, not {type(data).__name__!r}") from None
-        if mv.ndim != 1 or mv.format != "B":
-            if not mv.c_contiguous:
-                raise TypeError("a C-contiguous buffer is required")
-            mv = mv.cast("B")
-        n = mv.nbytes
+            n = len(data)
+        else:
+            mv = _flat_view(data)
+            n = mv.nbytes
         if n > e.max_message_size:
             raise MessageTooLarge(f"message of {n} bytes exceeds max_message_size "
                                   f"{e.max_message_size}", n)

@@ -38,7 +38,8 @@ _RECV_RDMA_WITH_IMM: Final = 129  # ibv_wc_opcode IBV_WC_RECV_RDMA_WITH_IMM
 class Receiver:
     """The receive buffers and received messages of one connection.
 
-    ``rpool``: the receive buffers (``view``, ``slot_size``, ``release``); the engine's
+    ``rpool``: the receive buffers (``view``, ``slot_size``, ``release``; the first two
+    are read once, here: they do not change for the pool's life); the engine's
     port posts them (``post_recv``). ``rx``: messages for the application, oldest first;
     ``rx_waiters``/``imm_waiters``: waiters woken when something arrives.
     """
@@ -47,6 +48,8 @@ class Receiver:
                  rndv_prefetch: int, busy_ahead: int) -> None:
         self.e = engine
         self.rpool = rpool
+        self._rview: memoryview = rpool.view
+        self._rslot: int = rpool.slot_size
         self.repost_batch = repost_batch
         self.rndv_prefetch = rndv_prefetch
         self.busy_ahead = busy_ahead
@@ -125,12 +128,12 @@ class Receiver:
             wake(self.imm_waiters)
             self.repost(slot)
             return
-        pool = self.rpool
-        base = slot * pool.slot_size
+        size = self._rslot
+        base = slot * size
         credits = e.credits
         assert credits is not None
         try:
-            frame = parse_frame(pool.view[base: base + pool.slot_size], wc.byte_len,
+            frame = parse_frame(self._rview[base: base + size], wc.byte_len,
                                 e.max_message_size)
             if frame.credits:
                 credits.on_credits(frame.credits)
@@ -149,7 +152,7 @@ class Receiver:
             wake(self.rx_waiters)
         elif ftype == FrameType.BATCH:
             try:
-                records = batch_records(pool.view[base: base + pool.slot_size], wc.byte_len,
+                records = batch_records(self._rview[base: base + size], wc.byte_len,
                                         frame.aux, e.max_message_size)
             except RemoteProtocolError as exc:
                 self.rpool.release(slot)

@@ -212,13 +212,13 @@ class SoftQP(Responder):
         self._state = _QP_RESET
 
     def post_send(self, wrs: list[SendWR]) -> None:
-        with self._engine.lock:
+        with self._lock:
             st = self._state
             if self._closed or st in (_QP_RESET, _QP_INIT, _QP_RTR):
                 raise PostError(errno.EINVAL, f"post_send on a QP in {st.name}")
-            if self._sq_used + len(wrs) > self.cap.max_send_wr:
+            if self._sq_used + len(wrs) > self._max_send_wr:
                 raise PostError(errno.ENOMEM,
-                                f"send queue full ({self._sq_used} of {self.cap.max_send_wr} "
+                                f"send queue full ({self._sq_used} of {self._max_send_wr} "
                                 f"in use, {len(wrs)} more posted)")
             built = [self._build(wr) for wr in wrs]
             self._sq_used += len(built)
@@ -276,13 +276,13 @@ class SoftQP(Responder):
         return b"".join(parts)
 
     def post_recv(self, wrs: list[RecvWR]) -> None:
-        with self._engine.lock:
+        with self._lock:
             st = self._state
             if self._closed or st == _QP_RESET:
                 raise PostError(errno.EINVAL, f"post_recv on a QP in {st.name}")
-            if len(self._rq) + len(wrs) > self.cap.max_recv_wr:
+            if len(self._rq) + len(wrs) > self._max_recv_wr:
                 raise PostError(errno.ENOMEM,
-                                f"receive queue full ({len(self._rq)} of {self.cap.max_recv_wr} "
+                                f"receive queue full ({len(self._rq)} of {self._max_recv_wr} "
                                 f"in use, {len(wrs)} more posted)")
             check_recv_wrs(wrs, self.cap)
             rwqes = [RWQE(wr.wr_id, list(wr.sg_list)) for wr in wrs]

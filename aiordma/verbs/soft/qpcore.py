@@ -105,6 +105,11 @@ class QPCore(QP):
         self.send_cq = send_cq
         self.recv_cq = recv_cq
         self.cap = cap
+        # read per post: the QP's queue sizes (fixed at creation, as a device's) and the
+        # device lock, as attributes of this compiled class
+        self._max_send_wr = cap.max_send_wr
+        self._max_recv_wr = cap.max_recv_wr
+        self._lock = self._engine.lock
         self.qp_num = qpn
         self._state = _QP_RESET
         self._closed = False
