@@ -188,6 +188,11 @@ class CompChannel(abc.ABC):
     readable (and before it waits for a completion); without that the device's own
     thread moves them, later. Devices that progress by themselves (RDMA hardware) have
     ``manual_progress`` False and need neither call.
+
+    A manual-progress device may defer work that ``progress()`` produced (``soft``: the
+    acknowledgements of what it delivered, so that they ride on the application's
+    answer): ``flush_wanted`` is then True until the consumer calls ``flush()``, which
+    it does once the callbacks of that progress have run.
     """
 
     fd: int
@@ -203,6 +208,17 @@ class CompChannel(abc.ABC):
         """Move the device's bytes (manual progress); returns how many sockets were
         ready. Never blocks. Only where ``manual_progress``."""
         raise NotImplementedError("this channel's device progresses by itself")
+
+    @property
+    def flush_wanted(self) -> bool:
+        """True while ``progress()`` left deferred work for ``flush()`` (never, unless
+        the device defers work)."""
+        return False
+
+    def flush(self) -> None:
+        """Do the work ``progress()`` deferred. Never blocks; a no-op when
+        ``flush_wanted`` is False."""
+        return None
 
     @abc.abstractmethod
     def get_event(self) -> CQ | None:
