@@ -85,7 +85,7 @@ class Device:
         loop = loop or asyncio.get_running_loop()
         self._close_orphans()
         r = self._reactors.get(id(loop))
-        if r is None or r.loop is not loop or r._closed:
+        if r is None or r.loop is not loop or r.closed:
             r = CQReactor(self.ctx, loop, mode=mode, spin_us=spin_us)
             self._reactors[id(loop)] = r
         elif mode is not None or spin_us is not None:

@@ -66,6 +66,7 @@ MODULES: tuple[str, ...] = (
     "aiordma.protocol.ops",
     "aiordma.protocol.state",
     "aiordma.cq_reactor",
+    "aiordma.poll_schedule",
     "aiordma.spin_policy",
     "aiordma.protocol.sendq",
     "aiordma.memory",

@@ -1,6 +1,6 @@
 """When a spinning poller should stop spinning: ``SpinGovernor``, sans-IO.
 
-The reactor (``cq_reactor.py``) spins -- keeps its event loop polling the CQs for
+The reactor's poll schedule (``poll_schedule.py``) spins -- keeps its event loop polling the CQs for
 ``spin_us`` after activity (``hybrid``), or waits in place for an operation (``polling``)
 -- and asks this governor whether it may. The governor sends the spin *quiet* (the
 reactor then behaves as ``blocking``) for a back-off time when

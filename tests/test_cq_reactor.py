@@ -131,7 +131,7 @@ async def _yield_while(busy: Callable[[], object], what: str, limit_s: float = 2
 
 async def _spin_ends(r: CQReactor) -> None:
     """Yield to the loop until the reactor's spin has stopped (bounded)."""
-    await _yield_while(lambda: r.statistics()["spins"] and r._spin_scheduled, "the spin")
+    await _yield_while(lambda: r.statistics()["spins"] and r.schedule.spin_scheduled, "the spin")
 
 
 async def test_hybrid_goes_quiet_when_its_spin_waits_for_a_core() -> None:
@@ -142,7 +142,7 @@ async def test_hybrid_goes_quiet_when_its_spin_waits_for_a_core() -> None:
     r = CQReactor(FakeCtx(), loop, mode="hybrid", spin_us=1_000_000)  # type: ignore[arg-type]
     r.acquire_cq(8)
     frozen = time.thread_time()
-    r.spin.thread_time = lambda: frozen
+    r.schedule.spin.thread_time = lambda: frozen
     r.poke()
     assert r.statistics()["spins"] == 1
     await asyncio.sleep(0)
@@ -151,11 +151,11 @@ async def test_hybrid_goes_quiet_when_its_spin_waits_for_a_core() -> None:
     st = r.statistics()
     assert st["spin_preempted"] == 1 and st["quiet_periods"] == 1
     r.poke()  # quiet: no new spin
-    assert r.statistics()["spins"] == 1 and not r._spin_scheduled
+    assert r.statistics()["spins"] == 1 and not r.schedule.spin_scheduled
     await asyncio.sleep(0.02)  # past the first back-off (5 ms)
-    r.spin.thread_time = time.thread_time
+    r.schedule.spin.thread_time = time.thread_time
     r.poke()
-    assert r.statistics()["spins"] == 2 and r._spin_scheduled
+    assert r.statistics()["spins"] == 2 and r.schedule.spin_scheduled
     r.close()
 
 
@@ -165,14 +165,14 @@ async def test_hybrid_keeps_spinning_through_gaps_that_used_the_cpu() -> None:
     loop = asyncio.get_running_loop()
     r = CQReactor(FakeCtx(), loop, mode="hybrid", spin_us=1_000_000)  # type: ignore[arg-type]
     cq: FakeCQ = r.acquire_cq(8)  # type: ignore[assignment]
-    r.spin.thread_time = time.perf_counter  # every second of wall time was CPU time
+    r.schedule.spin.thread_time = time.perf_counter  # every second of wall time was CPU time
     r.poke()
     for _ in range(3):
         await asyncio.sleep(0)
         time.sleep(0.002)
     await _complete(r, cq)
     st = r.statistics()
-    assert st["spin_preempted"] == 0 and st["quiet_periods"] == 0 and r._spin_scheduled
+    assert st["spin_preempted"] == 0 and st["quiet_periods"] == 0 and r.schedule.spin_scheduled
     assert st["spin_hits"] >= 1
     r.close()
 
@@ -184,7 +184,7 @@ async def test_hybrid_goes_quiet_after_missed_spins_and_backs_off_further() -> N
     loop = asyncio.get_running_loop()
     r = CQReactor(FakeCtx(), loop, mode="hybrid", spin_us=200)  # type: ignore[arg-type]
     cq: FakeCQ = r.acquire_cq(8)  # type: ignore[assignment]
-    r.spin.thread_time = time.perf_counter  # no stolen time: only misses count here
+    r.schedule.spin.thread_time = time.perf_counter  # no stolen time: only misses count here
     for _ in range(_MISS_LIMIT - 1):
         r.poke()
         await _spin_ends(r)
@@ -202,16 +202,16 @@ async def test_hybrid_goes_quiet_after_missed_spins_and_backs_off_further() -> N
     spins = st["spins"]
     r.poke()
     assert r.statistics()["spins"] == spins  # quiet
-    assert r.spin.backoff == 5e-3  # the first quiet period is the shortest
+    assert r.schedule.spin.backoff == 5e-3  # the first quiet period is the shortest
     # End the quiet period now, with a back-off long enough that the probe's miss falls
     # inside it on a loaded machine too (a stall past it would start from the minimum).
-    first = r.spin.backoff = 0.2
-    r.spin.quiet_until = time.perf_counter()
+    first = r.schedule.spin.backoff = 0.2
+    r.schedule.spin.quiet_until = time.perf_counter()
     r.poke()  # the probe
     await _spin_ends(r)
     st = r.statistics()
     assert st["spins"] == spins + 1 and st["quiet_periods"] == 2
-    assert r.spin.backoff == 2 * first
+    assert r.schedule.spin.backoff == 2 * first
     r.close()
 
 
@@ -219,7 +219,7 @@ async def test_hybrid_goes_quiet_after_missed_spins_and_backs_off_further() -> N
 async def _wake_and_spin(r: CQReactor, cq: FakeCQ) -> None:
     """A completion on the armed CQ: the wake-up reads its event and starts a spin."""
     await _complete(r, cq)
-    assert cq.events == 1 and r.statistics()["wakeups"] == 1 and r._spin_scheduled
+    assert cq.events == 1 and r.statistics()["wakeups"] == 1 and r.schedule.spin_scheduled
 
 
 async def test_hybrid_leaves_the_cq_disarmed_while_its_spin_polls_it() -> None:
@@ -229,13 +229,13 @@ async def test_hybrid_leaves_the_cq_disarmed_while_its_spin_polls_it() -> None:
     loop = asyncio.get_running_loop()
     r = CQReactor(FakeCtx(), loop, mode="hybrid", spin_us=1_000_000)  # type: ignore[arg-type]
     cq: FakeCQ = r.acquire_cq(8)  # type: ignore[assignment]
-    r.spin.thread_time = time.perf_counter  # never "preempted"
+    r.schedule.spin.thread_time = time.perf_counter  # never "preempted"
     await _wake_and_spin(r, cq)
     assert not cq.armed and r.statistics()["arms"] == 0
     for _ in range(3):  # caught by the spin: no event, no arm
         await _complete(r, cq)
     assert cq.events == 1 and not cq.armed and r.statistics()["wakeups"] == 1
-    r._spin_deadline = 0.0  # the budget is spent
+    r.schedule.spin_deadline = 0.0  # the budget is spent
     await _spin_ends(r)
     assert cq.armed and r.statistics()["arms"] == 1
     await _complete(r, cq)
@@ -251,11 +251,11 @@ async def test_completion_between_the_last_spin_poll_and_the_arm_is_not_lost() -
     loop = asyncio.get_running_loop()
     r = CQReactor(FakeCtx(), loop, mode="hybrid", spin_us=1_000_000)  # type: ignore[arg-type]
     cq: FakeCQ = r.acquire_cq(8)  # type: ignore[assignment]
-    r.spin.thread_time = time.perf_counter
+    r.schedule.spin.thread_time = time.perf_counter
     await _wake_and_spin(r, cq)
     fut = loop.create_future()
     wr_id = r.register(future_handler, fut)
-    r._spin_deadline = 0.0
+    r.schedule.spin_deadline = 0.0
     cq.after_poll = lambda: cq.add(_wc(wr_id))  # lands just after the empty poll
     await asyncio.wait_for(fut, 2)
     assert cq.events == 1 and cq.armed  # no event: the arm-then-poll took it
@@ -270,7 +270,7 @@ async def test_hybrid_arms_when_its_spin_is_preempted() -> None:
     r = CQReactor(FakeCtx(), loop, mode="hybrid", spin_us=1_000_000)  # type: ignore[arg-type]
     cq: FakeCQ = r.acquire_cq(8)  # type: ignore[assignment]
     frozen: list[float] = []  # the thread clock runs with the wall clock until frozen
-    r.spin.thread_time = lambda: frozen[0] if frozen else time.perf_counter()
+    r.schedule.spin.thread_time = lambda: frozen[0] if frozen else time.perf_counter()
     await _wake_and_spin(r, cq)  # (never preempted so far, however slow the machine)
     assert not cq.armed
     frozen.append(time.perf_counter())
@@ -297,7 +297,7 @@ async def test_blocking_rearms_on_every_wakeup() -> None:
 async def _poll_loop_ends(r: CQReactor) -> None:
     """Yield to the loop until the reactor's poll loop has stopped (bounded)."""
     await asyncio.sleep(0)
-    await _yield_while(lambda: r._poll_scheduled, "the poll loop")
+    await _yield_while(lambda: r.schedule.poll_scheduled, "the poll loop")
 
 
 async def test_polling_leaves_the_cq_disarmed_while_operations_are_outstanding() -> None:
@@ -310,7 +310,7 @@ async def test_polling_leaves_the_cq_disarmed_while_operations_are_outstanding()
     pending = loop.create_future()
     pending_id = r.register(future_handler, pending)  # outstanding throughout
     await _complete(r, cq)  # the wake-up: its event is read, the CQ left disarmed
-    assert cq.events == 1 and not cq.armed and r._poll_scheduled
+    assert cq.events == 1 and not cq.armed and r.schedule.poll_scheduled
     for _ in range(3):  # taken by the poll loop: no event, no arm, no wake-up
         await _complete(r, cq)
     st = r.statistics()
@@ -460,10 +460,10 @@ async def test_in_place_waits_go_quiet_after_missing_in_a_row() -> None:
     await miss()
     st = r.statistics()
     assert st["quiet_periods"] == 1 and st["in_place_missed"] == 2 * _MISS_LIMIT - 1
-    assert r.spin.quiet_until > before  # quiet from the last miss on, for a back-off
+    assert r.schedule.spin.quiet_until > before  # quiet from the last miss on, for a back-off
     # while quiet, a wait does not poll (the back-off, 5 ms, is stretched here: under
     # emulation the two loop turns below can take longer than that)
-    r.spin.quiet_until = time.perf_counter() + 60
+    r.schedule.spin.quiet_until = time.perf_counter() + 60
     await asyncio.sleep(0)
     await asyncio.sleep(0)
     polls = r.polls
@@ -510,8 +510,8 @@ async def test_no_wait_in_place_while_another_task_is_suspended_on_an_operation(
     first = loop.create_future()
     first_id = r.register(future_handler, first)
     task = asyncio.create_task(r.wait(first))
-    await _yield_while(lambda: not r.suspended, "the first wait")
-    assert r.statistics()["in_place_missed"] == 1 and r.suspended == 1
+    await _yield_while(lambda: not r.schedule.suspended, "the first wait")
+    assert r.statistics()["in_place_missed"] == 1 and r.schedule.suspended == 1
     other = loop.create_future()
     r.register(future_handler, other)
     await asyncio.sleep(0)  # the loop turns: the first wait's hold is over
@@ -521,7 +521,7 @@ async def test_no_wait_in_place_while_another_task_is_suspended_on_an_operation(
     assert r.polls == polls and r.statistics()["in_place_waits"] == 1
     cq.add(_wc(first_id))
     assert (await asyncio.wait_for(task, 2)).wr_id == first_id
-    assert r.suspended == 0
+    assert r.schedule.suspended == 0
     assert r.wait_in_place(other) is False  # polls again (and misses)
     assert r.statistics()["in_place_waits"] == 2
     # cancelled while suspended: no longer counted
@@ -530,11 +530,11 @@ async def test_no_wait_in_place_while_another_task_is_suspended_on_an_operation(
     third = loop.create_future()
     r.register(future_handler, third)
     task = asyncio.create_task(r.wait(third, spin=False))
-    await _yield_while(lambda: not r.suspended, "the third wait")
+    await _yield_while(lambda: not r.schedule.suspended, "the third wait")
     assert r.statistics()["in_place_waits"] == 2  # spin=False: no poll in place
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    assert r.suspended == 0 and third.cancelled()
+    assert r.schedule.suspended == 0 and third.cancelled()
     other.cancel()
     r.close()

@@ -108,12 +108,12 @@ async def test_polling_waits_in_place(opts: dict) -> None:
         for recv in (srv.recv, lambda: srv.recv_into(bytearray(64))):
             waiting = asyncio.ensure_future(recv())
             await asyncio.sleep(0.01)
-            assert not waiting.done() and ep._reactor.suspended == 1
-            waits = ep._reactor.in_place_waits
+            assert not waiting.done() and ep._reactor.schedule.suspended == 1
+            waits = ep._reactor.schedule.in_place_waits
             await asyncio.wait_for(ep.send(b"late"), T)
-            assert ep._reactor.in_place_waits == waits
+            assert ep._reactor.schedule.in_place_waits == waits
             assert await asyncio.wait_for(waiting, T) in (b"late", 4)
-            assert ep._reactor.suspended == 0
+            assert ep._reactor.schedule.suspended == 0
         await asyncio.wait_for(ep.close(), T)
         with pytest.raises(aiordma.ConnectionClosed):
             await asyncio.wait_for(srv.recv(), T)

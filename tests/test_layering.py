@@ -19,6 +19,7 @@ LAYERS: dict[str, int] = {
     "options": 2,
     "acceptor": 2,
     "cq_reactor": 3,
+    "poll_schedule": 3,  # the reactor's poll modes (it imports CQReactor for types only)
     "spin_policy": 2,
     "device": 4,
     "liveness": 4,
