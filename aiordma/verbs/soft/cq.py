@@ -297,6 +297,8 @@ class SoftCompChannel(CompChannel):
 
 
 class SoftCQ(CQ):
+    cqe: int  # (its own attribute when compiled, as SoftMR's)
+
     def __init__(self, ctx: SoftContext, cqe: int, channel: SoftCompChannel | None) -> None:
         self._ctx = ctx
         self._lock = ctx._engine.lock

@@ -40,7 +40,12 @@ class KeyTable:
 
 
 class SoftMR(MR):
+    # (declared again here, so that compiled they are this class's own attributes: the
+    # device reads them for every work request; the interface's are looked up by name)
     pd: SoftPD
+    addr: int
+    length: int
+    view: memoryview
 
     def __init__(self, pd: SoftPD, buffer: Any, access: Access) -> None:
         self.pd = pd

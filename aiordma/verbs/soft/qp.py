@@ -262,7 +262,7 @@ class SoftQP(Responder):
         return w, wr
 
     def _copy_inline(self, sg: list[SGE]) -> bytes:
-        keys = self._engine.keys
+        keys = self._keys
         parts: list[bytes] = []
         for s in sg:
             if not s.length:

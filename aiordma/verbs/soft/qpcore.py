@@ -105,11 +105,12 @@ class QPCore(QP):
         self.send_cq = send_cq
         self.recv_cq = recv_cq
         self.cap = cap
-        # read per post: the QP's queue sizes (fixed at creation, as a device's) and the
-        # device lock, as attributes of this compiled class
+        # read per post: the QP's queue sizes (fixed at creation, as a device's), the
+        # device lock and its memory keys, as attributes of this compiled class
         self._max_send_wr = cap.max_send_wr
         self._max_recv_wr = cap.max_recv_wr
         self._lock = self._engine.lock
+        self._keys = self._engine.keys
         self.qp_num = qpn
         self._state = _QP_RESET
         self._closed = False
@@ -194,7 +195,7 @@ class QPCore(QP):
     # --- local memory ------------------------------------------------------------------
     def _resolve(self, sg_list: list[SGE], need_write: bool) -> list[memoryview] | None:
         """SGEs -> slices of their MRs; None on a protection error (LOC_PROT_ERR)."""
-        keys = self._engine.keys
+        keys = self._keys
         out: list[memoryview] = []
         for s in sg_list:
             if s.length == 0:

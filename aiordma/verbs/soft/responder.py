@@ -108,7 +108,7 @@ class Responder(Requester):
         self._to_error(event)
 
     def _rkey_view(self, rkey: int, raddr: int, length: int, right: int) -> memoryview | None:
-        mr = self._engine.keys.get(rkey)
+        mr = self._keys.get(rkey)
         if mr is None or mr.pd is not self.pd:
             return None
         if not (mr.acc & right) or not (self._acc & right):
