@@ -9,7 +9,8 @@ The endpoint is the asyncio face of three parts, each with one reason to change:
 * ``lifecycle.Lifecycle`` -- the setup connection's watch, close, EOF, abort, teardown.
 
 What is left here turns calls into queued operations and their futures, and waits;
-the one-sided operations do so in ``onesided.OneSided``.
+the one-sided operations do so in ``onesided.OneSided``; a receive that finds no
+message waiting for it waits in ``receiving.Receiving``.
 
 Messages: a message up to ``eager_size - 8`` bytes travels in one SEND (8-byte frame
 header + payload); small messages queued in the same loop iteration share one SEND (a
@@ -38,15 +39,16 @@ from . import liveness
 from .device import Device
 from .errors import ConnectionClosed, MessageTooLarge
 from .lifecycle import Lifecycle, uncancelled
-from .memory import LocalSpan, MemoryRegion, RemoteBuffer
+from .memory import MemoryRegion, RemoteBuffer
 from .onesided import OneSided
 from .options import EndpointOptions
 from .protocol.engine import MessageEngine
 from .protocol.framing import HANDSHAKE_FLAG_BATCH
 from .protocol.handshake import Hello
 from .protocol.heartbeat import HANDSHAKE_FLAG_LIVENESS
-from .protocol.ops import DATA, RNDV, RX_DATA, RX_EOF, Op, Rx
+from .protocol.ops import DATA, RNDV, RX_DATA, Op
 from .protocol.state import Local, Remote
+from .receiving import Receiving
 from .resources import Resources
 from .verbs import Access, AsyncEvent, EventType
 
@@ -97,13 +99,13 @@ class Endpoint:
             busy_ahead=min(opts.rndv_prefetch, _BUSY_READ_AHEAD))
         self._life = Lifecycle(self, loop, self._engine, res, opts.close_timeout)
         self._one = OneSided(self)
+        self._rcv = Receiving(self)
         res.bind(self._engine.tx.on_wc, self._engine.rx.on_wc, self._life)
         self.qp_num = res.qp.qp_num
         device.watch_qp(self.qp_num, self._on_async_event, loop)
         self._psn = secrets.randbelow(1 << 24)  # unpredictable, as a NIC's initial PSN
         self._gid_index = 0
         self._peer_heartbeat = False  # the peer answers heartbeat PINGs (handshake flag)
-        self._recv_lock = asyncio.Lock()
         self.local_address: tuple[Any, ...] | None = None
         self.peer_address: tuple[Any, ...] | None = None
         self.peer_qp_num = 0
@@ -325,7 +327,7 @@ class Endpoint:
         rx = self._engine.rx
         rxq = rx.rx
         if not rxq and not rx.receivers and self._reactor.in_place:
-            self._rx_in_place()
+            self._rcv.wait_in_place()
         if rxq and not rx.receivers and not self._engine.state.failed:
             m = rxq[0]
             if m.kind == RX_DATA:  # already here, nobody queued before us: no lock
@@ -334,37 +336,10 @@ class Endpoint:
                 return data
         rx.receivers += 1
         try:
-            return await self._recv_locked()
+            return await self._rcv.recv()
         finally:
             rx.receivers -= 1
             rx.receive_done()
-
-    def _rx_in_place(self) -> None:
-        """polling mode, nothing received yet and nobody else receiving: wait in place
-        (cq_reactor.wait_in_place) for the next frame, so that a message that comes in
-        time takes the no-lock path of ``recv``/``recv_into`` instead of the waiter
-        machinery. The caller then looks at the receive queue; this never suspends."""
-        if self._engine.state.failed or self._life.closing is not None:
-            return
-        fut: asyncio.Future[None] = self._loop.create_future()
-        waiters = self._engine.rx.rx_waiters
-        waiters.append(fut)
-        if not self._reactor.wait_in_place(fut) and fut in waiters:
-            waiters.remove(fut)
-
-    async def _recv_locked(self) -> bytes:
-        async with self._recv_lock:
-            m = await self._next_rx()
-            rx = self._engine.rx
-            if m.kind == RX_DATA:
-                data = bytes(rx.rpool.view[m.offset: m.offset + m.length])
-                rx.consume_data(m)
-                return data
-            st = await self._rndv_fetch(m, None)
-            assert st is not None
-            data = bytes(st.view)
-            rx.consume_rndv(m)
-            return data
 
     async def recv_into(self, buffer: Any) -> int:
         """Receive the next message into ``buffer``; returns its length.
@@ -385,7 +360,7 @@ class Endpoint:
         rx = self._engine.rx
         rxq = rx.rx
         if not rxq and not rx.receivers and self._reactor.in_place:
-            self._rx_in_place()
+            self._rcv.wait_in_place()
         if rxq and not rx.receivers and not self._engine.state.failed:
             m = rxq[0]
             if m.kind == RX_DATA and m.length <= out.nbytes:
@@ -396,82 +371,10 @@ class Endpoint:
                 return n
         rx.receivers += 1
         try:
-            return await self._recv_into_locked(out)
+            return await self._rcv.recv_into(out)
         finally:
             rx.receivers -= 1
             rx.receive_done()
-
-    async def _recv_into_locked(self, out: memoryview) -> int:
-        async with self._recv_lock:
-            m = await self._next_rx()
-            rx = self._engine.rx
-            if m.length > out.nbytes:
-                raise MessageTooLarge(f"message of {m.length} bytes does not fit a buffer of "
-                                      f"{out.nbytes}; it is kept for the next receive", m.length)
-            if m.kind == RX_DATA:
-                out[: m.length] = rx.rpool.view[m.offset: m.offset + m.length]
-                n = m.length
-                rx.consume_data(m)
-                return n
-            span: LocalSpan | None
-            try:
-                span = self._regions.resolve(out[: m.length], writable=True)
-            except ValueError:
-                span = None
-            st = await self._rndv_fetch(m, span)
-            if st is not None:
-                out[: m.length] = st.view
-            n = m.length
-            rx.consume_rndv(m)
-            return n
-
-    async def _next_rx(self) -> Rx:
-        rx = self._engine.rx
-        while True:
-            if self._engine.state.failed:
-                raise self._engine.closed_error()
-            if rx.rx:
-                m = rx.rx[0]
-                if m.kind == RX_EOF:
-                    raise ConnectionClosed("the peer closed the connection")
-                return m
-            if self._life.closing is not None:
-                raise self._engine.closed_error()
-            await self._wait_on(rx.rx_waiters)
-
-    async def _wait_on(self, waiters: list[Any]) -> None:
-        """Sleep until the engine wakes ``waiters``; a cancelled sleeper leaves the list
-        clean."""
-        fut: asyncio.Future[None] = self._loop.create_future()
-        waiters.append(fut)
-        try:
-            if self._reactor.in_place:
-                await self._reactor.wait(fut)
-            else:
-                await fut
-        finally:
-            if fut in waiters:
-                waiters.remove(fut)
-
-    async def _rndv_fetch(self, m: Rx, span: LocalSpan | None) -> Any:
-        """READ the rendezvous message ``m`` into ``span`` or into staging (returned).
-
-        Survives cancellation: an interrupted READ into staging is reused by the next
-        receiver; one into a (cancelled) caller's buffer is simply read again.
-        """
-        rx = self._engine.rx
-        if m.read is not None:
-            await uncancelled(m.read)  # type: ignore[arg-type]
-            if m.staging is None:
-                m.read = None  # landed in a cancelled caller's buffer: read again
-        if m.read is None:
-            fut = rx.start_read(m, span)
-            # While it lands in the caller's buffer, read the next few messages (up to
-            # min(rndv_prefetch, 4 MiB)) into staging, so the READs overlap the
-            # application's work instead of one READ per receive call.
-            rx.read_ahead(rx.busy_ahead)
-            await uncancelled(fut)  # type: ignore[arg-type]
-        return m.staging
 
     # ---------------------------------------------------------------- one-sided
     # (the work: onesided.OneSided)

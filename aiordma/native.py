@@ -58,6 +58,7 @@ BUILD_INFO: Final = "_build.json"
 MODULES: tuple[str, ...] = (
     "aiordma.endpoint",
     "aiordma.onesided",
+    "aiordma.receiving",
     "aiordma.resources",
     "aiordma.lifecycle",
     "aiordma.protocol.engine",

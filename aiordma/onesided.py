@@ -88,7 +88,7 @@ class OneSided:
                 raise self._engine.closed_error()
             if self._engine.state.remote is not Remote.OPEN:
                 raise ConnectionClosed("the peer closed the connection")
-            await self._ep._wait_on(rx.imm_waiters)
+            await self._ep._rcv.wait_on(rx.imm_waiters)
         return rx.imm.popleft()
 
     async def fetch_add(self, remote: RemoteBuffer, value: int) -> int:

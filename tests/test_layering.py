@@ -27,6 +27,7 @@ LAYERS: dict[str, int] = {
     "lifecycle": 5,
     "endpoint": 6,
     "onesided": 6,  # the endpoint's one-sided operations (it imports Endpoint for types only)
+    "receiving": 6,  # the waits of the endpoint's receives (likewise)
     "connection": 7,
     "listener": 7,
     "transport": 8,

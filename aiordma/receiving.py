@@ -1,0 +1,141 @@
+"""The waiting half of an endpoint's receives (``Receiving``).
+
+``Endpoint.recv``/``recv_into`` take a message that is already there and nobody waits
+before them without a lock and without an await. Otherwise they come here: receivers
+are served in FIFO order (one ``asyncio.Lock``), each waits for the message at the
+head of the engine's receive queue, and a rendezvous message is RDMA-READ into the
+caller's registered buffer or into staging first. Cancellation never loses a message:
+a message is consumed only once it was handed over, and an interrupted READ into
+staging is reused by the next receiver.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Any
+
+from .errors import ConnectionClosed, MessageTooLarge
+from .lifecycle import uncancelled
+from .memory import LocalSpan
+from .protocol.ops import RX_DATA, RX_EOF, Rx
+
+if TYPE_CHECKING:
+    from .endpoint import Endpoint
+
+
+class Receiving:
+    """The waits of one endpoint's receives (the module docstring). Uses the
+    endpoint's engine, reactor, regions and lifecycle; holds the receivers' lock."""
+
+    def __init__(self, ep: Endpoint) -> None:
+        self._engine = ep._engine
+        self._loop = ep._loop
+        self._reactor = ep._reactor
+        self._regions = ep._regions
+        self._life = ep._life
+        self._lock = asyncio.Lock()
+
+    def wait_in_place(self) -> None:
+        """polling mode, nothing received yet and nobody else receiving: wait in place
+        (``PollSchedule.wait_in_place``) for the next frame, so that a message that
+        comes in time takes the no-lock path of ``recv``/``recv_into`` instead of the
+        waiter machinery. The caller then looks at the receive queue; this never
+        suspends."""
+        if self._engine.state.failed or self._life.closing is not None:
+            return
+        fut: asyncio.Future[None] = self._loop.create_future()
+        waiters = self._engine.rx.rx_waiters
+        waiters.append(fut)
+        if not self._reactor.wait_in_place(fut) and fut in waiters:
+            waiters.remove(fut)
+
+    async def recv(self) -> bytes:
+        """``Endpoint.recv`` once it must wait: in turn, the next message as bytes."""
+        async with self._lock:
+            m = await self.next_rx()
+            rx = self._engine.rx
+            if m.kind == RX_DATA:
+                data = bytes(rx.rpool.view[m.offset: m.offset + m.length])
+                rx.consume_data(m)
+                return data
+            st = await self.rndv_fetch(m, None)
+            assert st is not None
+            data = bytes(st.view)
+            rx.consume_rndv(m)
+            return data
+
+    async def recv_into(self, out: memoryview) -> int:
+        """``Endpoint.recv_into`` once it must wait: in turn, the next message into
+        ``out`` (1-D, writable); returns its length."""
+        async with self._lock:
+            m = await self.next_rx()
+            rx = self._engine.rx
+            if m.length > out.nbytes:
+                raise MessageTooLarge(f"message of {m.length} bytes does not fit a buffer of "
+                                      f"{out.nbytes}; it is kept for the next receive", m.length)
+            if m.kind == RX_DATA:
+                out[: m.length] = rx.rpool.view[m.offset: m.offset + m.length]
+                n = m.length
+                rx.consume_data(m)
+                return n
+            span: LocalSpan | None
+            try:
+                span = self._regions.resolve(out[: m.length], writable=True)
+            except ValueError:
+                span = None
+            st = await self.rndv_fetch(m, span)
+            if st is not None:
+                out[: m.length] = st.view
+            n = m.length
+            rx.consume_rndv(m)
+            return n
+
+    async def next_rx(self) -> Rx:
+        """The message at the head of the receive queue (left there); raises
+        ConnectionClosed after the peer's EOF or when the connection failed."""
+        rx = self._engine.rx
+        while True:
+            if self._engine.state.failed:
+                raise self._engine.closed_error()
+            if rx.rx:
+                m = rx.rx[0]
+                if m.kind == RX_EOF:
+                    raise ConnectionClosed("the peer closed the connection")
+                return m
+            if self._life.closing is not None:
+                raise self._engine.closed_error()
+            await self.wait_on(rx.rx_waiters)
+
+    async def wait_on(self, waiters: list[Any]) -> None:
+        """Sleep until the engine wakes ``waiters``; a cancelled sleeper leaves the list
+        clean."""
+        fut: asyncio.Future[None] = self._loop.create_future()
+        waiters.append(fut)
+        try:
+            if self._reactor.in_place:
+                await self._reactor.wait(fut)
+            else:
+                await fut
+        finally:
+            if fut in waiters:
+                waiters.remove(fut)
+
+    async def rndv_fetch(self, m: Rx, span: LocalSpan | None) -> Any:
+        """READ the rendezvous message ``m`` into ``span`` or into staging (returned).
+
+        Survives cancellation: an interrupted READ into staging is reused by the next
+        receiver; one into a (cancelled) caller's buffer is simply read again.
+        """
+        rx = self._engine.rx
+        if m.read is not None:
+            await uncancelled(m.read)  # type: ignore[arg-type]
+            if m.staging is None:
+                m.read = None  # landed in a cancelled caller's buffer: read again
+        if m.read is None:
+            fut = rx.start_read(m, span)
+            # While it lands in the caller's buffer, read the next few messages (up to
+            # min(rndv_prefetch, 4 MiB)) into staging, so the READs overlap the
+            # application's work instead of one READ per receive call.
+            rx.read_ahead(rx.busy_ahead)
+            await uncancelled(fut)  # type: ignore[arg-type]
+        return m.staging
