@@ -23,7 +23,8 @@ Mapping onto one ``Endpoint`` (a reliable, message-oriented RDMA connection):
   endpoint's ``eager_payload`` (16 KiB - 8 by default): such messages travel in one SEND
   and are held back by receive credits alone, without a rendezvous' extra round trips.
   The reader gets ``data_received`` chunks; message boundaries are not promised.
-* Write flow control is asyncio's ``_FlowControlMixin``, thresholds and texts included:
+* Write flow control is asyncio's ``_FlowControlMixin`` (``flow_control.py``), thresholds
+  and texts included:
   the write buffer size is the bytes still queued plus the bytes handed to the endpoint
   and not yet delivered (waiting for receive credits, or posted and not completed).
   ``pause_writing`` above the high-water mark, ``resume_writing`` at or below the low.
@@ -54,6 +55,7 @@ from typing import Any, Protocol
 
 from .endpoint import Endpoint
 from .errors import ConnectionClosed, MessageTooLarge
+from .flow_control import WriteFlowControl
 
 log = logging.getLogger("aiordma")
 
@@ -75,7 +77,7 @@ def _set_result_unless_cancelled(fut: asyncio.Future[None]) -> None:
         fut.set_result(None)
 
 
-class RDMATransport(asyncio.Transport):
+class RDMATransport(WriteFlowControl):
     """An ``asyncio.Transport`` over one ``Endpoint`` (see the module docstring).
 
     Made by ``create_connection``/``create_server``; not meant to be built directly.
@@ -85,6 +87,8 @@ class RDMATransport(asyncio.Transport):
                  protocol: asyncio.BaseProtocol, *, waiter: asyncio.Future[None] | None = None,
                  server: ServerPort | None = None,
                  write_chunk_size: int | None = None) -> None:
+        self._loop = loop
+        self._protocol: Any = None
         super().__init__({
             "peername": endpoint.peer_address, "sockname": endpoint.local_address,
             "device": endpoint.device_name, "provider": endpoint.provider,
@@ -95,11 +99,9 @@ class RDMATransport(asyncio.Transport):
             write_chunk_size = endpoint.eager_payload
         if not 1 <= write_chunk_size <= endpoint.max_message_size:
             raise ValueError(f"write_chunk_size must be in [1, {endpoint.max_message_size}]")
-        self._loop = loop
         self._ep = endpoint
         self._server = server
         self._chunk = write_chunk_size
-        self._protocol: Any = None
         self._buffered = False
         self.set_protocol(protocol)
         self._closing = False  # close() called, or force-closed
@@ -117,10 +119,6 @@ class RDMATransport(asyncio.Transport):
         self._close_task: asyncio.Task[None] | None = None
         self._eof_task: asyncio.Task[None] | None = None
         self._lost: asyncio.Future[None] = loop.create_future()
-        self._protocol_paused = False
-        self._high_water = 0
-        self._low_water = 0
-        self._set_write_buffer_limits()
         if server is not None:
             server._attach(self)
         loop.call_soon(protocol.connection_made, self)
@@ -395,56 +393,6 @@ class RDMATransport(asyncio.Transport):
     def get_write_buffer_size(self) -> int:
         """Bytes queued plus bytes handed to the endpoint and not yet delivered."""
         return self._queued + self._inflight
-
-    def _maybe_pause_protocol(self) -> None:
-        size = self.get_write_buffer_size()
-        if size <= self._high_water:
-            return
-        if not self._protocol_paused:
-            self._protocol_paused = True
-            try:
-                self._protocol.pause_writing()
-            except (SystemExit, KeyboardInterrupt):
-                raise
-            except BaseException as exc:
-                self._loop.call_exception_handler({
-                    "message": "protocol.pause_writing() failed",
-                    "exception": exc,
-                    "transport": self,
-                    "protocol": self._protocol,
-                })
-
-    def _maybe_resume_protocol(self) -> None:
-        if self._protocol_paused and self.get_write_buffer_size() <= self._low_water:
-            self._protocol_paused = False
-            try:
-                self._protocol.resume_writing()
-            except (SystemExit, KeyboardInterrupt):
-                raise
-            except BaseException as exc:
-                self._loop.call_exception_handler({
-                    "message": "protocol.resume_writing() failed",
-                    "exception": exc,
-                    "transport": self,
-                    "protocol": self._protocol,
-                })
-
-    def get_write_buffer_limits(self) -> tuple[int, int]:
-        return (self._low_water, self._high_water)
-
-    def _set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
-        if high is None:
-            high = 64 * 1024 if low is None else 4 * low
-        if low is None:
-            low = high // 4
-        if not high >= low >= 0:
-            raise ValueError(f"high ({high!r}) must be >= low ({low!r}) must be >= 0")
-        self._high_water = high
-        self._low_water = low
-
-    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
-        self._set_write_buffer_limits(high=high, low=low)
-        self._maybe_pause_protocol()
 
     # ------------------------------------------------------------------ closing
     def close(self) -> None:

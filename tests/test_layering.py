@@ -32,6 +32,7 @@ LAYERS: dict[str, int] = {
     "listener": 7,
     "transport": 8,
     "rdma_transport": 8,
+    "flow_control": 8,  # the transports' write flow control (asyncio's)
     "rdma_server": 8,
     "streams": 9,
     "dask": 10,  # the rdma:// backend of distributed, over the public API
