@@ -263,7 +263,7 @@ class CQReactor:
             self._arm(slot)  # (else it stays disarmed: the spin or the poll loop polls it,
             #                   and arm_idle arms it when that ends)
         self._drain(slot, until_empty=False)
-        schedule.after_wakeup()
+        schedule.poke()
 
     def _arm(self, slot: _CQSlot) -> None:
         slot.cq.req_notify()

@@ -96,7 +96,7 @@ def poll_settings(mode: str | None = None, spin_us: int | None = None) -> tuple[
 class PollSchedule:
     """The poll mode of one reactor (the module docstring): its spin (hybrid), its
     poll ticks (polling) and its in-place waits (polling). Everything runs on the
-    loop's thread; the reactor calls ``woke`` and ``after_wakeup`` around each wake-up's
+    loop's thread; the reactor calls ``woke`` and ``poke`` around each wake-up's
     work, and the endpoints call ``poke`` after posting and ``wait`` to await an
     operation's future."""
 
@@ -142,16 +142,9 @@ class PollSchedule:
         end."""
         return self.polling or (self.hybrid and time.perf_counter() >= self.spin.quiet_until)
 
-    def after_wakeup(self) -> None:
-        """The wake-up's completions are dispatched: spin (hybrid) or poll (polling)."""
-        if self.hybrid:
-            self._spin_from_now()
-        elif self.polling:
-            self._schedule_poll()
-
     def poke(self) -> None:
-        """Called after posting work: polling mode: make sure a poll is scheduled;
-        hybrid: spin for the answer."""
+        """Called after posting work, and once a wake-up's completions are dispatched:
+        polling mode: make sure a poll is scheduled; hybrid: spin for what comes next."""
         if self.hybrid:
             self._spin_from_now()
         elif self.polling:
