@@ -17,6 +17,10 @@
   over a nonce that QP has not seen. A failure -- bad magic or version, an unknown QP,
   a wrong MAC, a replayed nonce -- closes the socket without an answer; the MAC is
   computed even when the QP is unknown, so the failures look alike from outside.
+  A HELLO for a QP that exists but has no key yet (RESET: its owner has not reached
+  INIT) waits, still pending, until the QP is keyed and is judged then: hardware
+  drops requests to a QP that is not ready and the requester's retries find it ready,
+  so a peer that dials first must not lose its connection to that race.
 * **Accepting** stops for a back-off (0.1 s, doubling to 2 s) when the process is out
   of file descriptors (EMFILE/ENFILE), logged once per burst, instead of spinning on
   a listening socket that stays readable.
@@ -92,7 +96,7 @@ def allowed_uids() -> frozenset[int]:
 class Pending:
     """An accepted socket whose HELLO has not arrived yet (selector entry)."""
 
-    __slots__ = ("admission", "sock", "peer", "buf", "got")
+    __slots__ = ("admission", "sock", "peer", "buf", "got", "hello")
 
     def __init__(self, admission: Admission, sock: socket.socket,
                  peer: tuple[str, int]) -> None:
@@ -101,6 +105,8 @@ class Pending:
         self.peer = peer
         self.buf = bytearray(wire.HELLO.size)
         self.got = 0
+        #: the unpacked HELLO while it waits for its QP's key (out of the selector)
+        self.hello: tuple[Any, ...] | None = None
 
     def on_event(self, mask: int) -> None:
         self.admission.read(self)
@@ -128,6 +134,8 @@ class Admission:
                                          0.01)
         self.uids = allowed_uids()
         self.pending: dict[Pending, None] = {}  # insertion order: oldest first
+        #: QP number -> complete HELLOs that wait for that QP's key (still in ``pending``)
+        self.unkeyed: dict[int, list[Pending]] = {}
         self._decoy = secrets.token_bytes(32)  # the key a HELLO for no QP is checked with
         self._backoff = 0.0  # the current pause after EMFILE/ENFILE (0: accepting works)
         #: counters (``Engine.statistics``)
@@ -202,6 +210,8 @@ class Admission:
     # --- pending connections --------------------------------------------------------------
     def read(self, p: Pending) -> None:
         """Read what there is of ``p``'s HELLO; judge it once complete (NIC thread)."""
+        if p.hello is not None:
+            return  # complete, waiting for its QP's key
         try:
             n = p.sock.recv_into(memoryview(p.buf)[p.got:])
         except (BlockingIOError, InterruptedError):
@@ -215,16 +225,35 @@ class Admission:
         p.got += n
         if p.got < len(p.buf):
             return
-        self._forget(p)
         h = wire.HELLO.unpack(p.buf)
         e = self.engine
         with e.lock:
+            waiting = e.qps.get(h[4])
+            if waiting is not None and waiting._auth_key is None:
+                p.hello = h  # judged when the QP is keyed (``keyed``), or expires
+                self.unkeyed.setdefault(h[4], []).append(p)
+                self._unwatch(p)
+                return
+            self._forget(p)
             qp = self.verify(h)
             if qp is None:
                 self.refused_hellos += 1
                 p.sock.close()
                 return
             e.conn_hello(p.sock, p.peer, qp, h[3], h[4])
+
+    def keyed(self, qpn: int) -> None:
+        """QP ``qpn`` got its key: judge the HELLOs that waited for it (NIC thread, device
+        lock held)."""
+        for p in self.unkeyed.pop(qpn, []):
+            self._forget(p)
+            assert p.hello is not None
+            qp = self.verify(p.hello)
+            if qp is None:
+                self.refused_hellos += 1
+                p.sock.close()
+            else:
+                self.engine.conn_hello(p.sock, p.peer, qp, p.hello[3], p.hello[4])
 
     def verify(self, h: tuple[Any, ...]) -> SoftQP | None:
         """The QP a HELLO (unpacked) may bind to, or None (device lock held)."""
@@ -256,6 +285,15 @@ class Admission:
 
     def _forget(self, p: Pending) -> None:
         self.pending.pop(p, None)
+        if p.hello is not None:
+            waiting = self.unkeyed.get(p.hello[4])
+            if waiting is not None and p in waiting:
+                waiting.remove(p)  # (a few entries: at most ``max_pending``)
+                if not waiting:
+                    del self.unkeyed[p.hello[4]]
+        self._unwatch(p)
+
+    def _unwatch(self, p: Pending) -> None:
         try:
             self.engine.sel.unregister(p.sock)
         except (KeyError, ValueError, OSError):
@@ -277,6 +315,7 @@ class Admission:
             except OSError:  # pragma: no cover
                 pass
         self.pending.clear()
+        self.unkeyed.clear()
 
     def statistics(self) -> dict[str, int]:
         return {"pending": len(self.pending), "refused_credentials": self.refused_credentials,

@@ -159,6 +159,9 @@ class SoftQP(Responder):
                     raise RDMAError(errno.EINVAL, "auth_key must be bytes, at least 16")
                 if cur == _QP_RESET or key is not None:
                     self._auth_key = key if key is not None else engine.secret
+                    if self.qp_num in engine.admission.unkeyed:
+                        qpn = self.qp_num  # HELLOs that came first are judged now
+                        engine.call_soon(lambda: engine.admission.keyed(qpn))
                 self._access = attr.qp_access_flags
                 self._acc = int(attr.qp_access_flags)
                 self._state = _QP_INIT
