@@ -9,14 +9,16 @@ when its MAC does not match the key the QP gets.
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
+from collections.abc import Iterator
 
 import pytest
 from test_verbs_provider import ACC_ALL, Resources, bring_up, poll_n, res, send, sge, statuses
 
 from aiordma.verbs import QPCap, QPState, WCStatus, WROpcode
-from aiordma.verbs.api import Context
+from aiordma.verbs.api import QP, Context
 from aiordma.verbs.soft import engine as soft_engine
 from aiordma.verbs.soft import wire
 from aiordma.verbs.soft.admission import Admission, Pending
@@ -67,8 +69,12 @@ def test_a_hello_before_the_qp_is_keyed_waits_for_its_key(ctx: Context, res: Res
     assert late.qp_num not in adm.unkeyed
 
 
-def test_a_waiting_hello_with_another_key_is_refused_when_the_key_comes(
-        ctx: Context, res: Resources, adm: Admission) -> None:
+@contextlib.contextmanager
+def _waiting_hello(ctx: Context, res: Resources,
+                   adm: Admission) -> Iterator[tuple[QP, Pending, socket.socket]]:
+    """A QP in RESET and a pending socket whose HELLO (with a key that is not the QP's)
+    names it and was read: it waits for the QP's key. Yields the QP, the pending entry
+    and the peer's end of the socket."""
     pd = res.add(ctx.alloc_pd())
     cq = res.add(ctx.create_cq(64))
     qp = res.add(pd.create_qp(cq, cq, QPCap(max_send_wr=16, max_recv_wr=16)))
@@ -77,43 +83,33 @@ def test_a_waiting_hello_with_another_key_is_refused_when_the_key_comes(
         a.setblocking(False)
         b.sendall(wire.pack_hello(1, 7, qp.qp_num, bytes(16), b"w" * 32))
         p = Pending(adm, a, ("test", 0))
-        refused = adm.refused_hellos
-        e = adm.engine
-        with e.lock:
+        with adm.engine.lock:
             adm.pending[p] = None
         adm.read(p)
         assert adm.unkeyed.get(qp.qp_num) == [p] and p in adm.pending
+        yield qp, p, b
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_waiting_hello_with_another_key_is_refused_when_the_key_comes(
+        ctx: Context, res: Resources, adm: Admission) -> None:
+    with _waiting_hello(ctx, res, adm) as (qp, p, peer):
+        refused = adm.refused_hellos
         bring_up(ctx, qp, 7, auth_key=KEY, stop_at=QPState.INIT)
         _wait_for(lambda: p not in adm.pending, "the waiting HELLO was not judged")
         assert adm.refused_hellos == refused + 1
         assert qp.qp_num not in adm.unkeyed
-        b.settimeout(5)
-        assert b.recv(1) == b""  # closed without an answer
-    finally:
-        a.close()
-        b.close()
+        peer.settimeout(5)
+        assert peer.recv(1) == b""  # closed without an answer
 
 
 def test_a_waiting_hello_still_expires_and_leaves_nothing(ctx: Context, res: Resources,
                                                           adm: Admission) -> None:
-    pd = res.add(ctx.alloc_pd())
-    cq = res.add(ctx.create_cq(64))
-    qp = res.add(pd.create_qp(cq, cq, QPCap(max_send_wr=16, max_recv_wr=16)))
-    a, b = socket.socketpair()
-    try:
-        a.setblocking(False)
-        b.sendall(wire.pack_hello(1, 7, qp.qp_num, bytes(16), b"w" * 32))
-        p = Pending(adm, a, ("test", 0))
+    with _waiting_hello(ctx, res, adm) as (qp, p, _):
         timed_out = adm.timed_out
-        e = adm.engine
-        with e.lock:
-            adm.pending[p] = None
-        adm.read(p)
-        assert adm.unkeyed.get(qp.qp_num) == [p]
-        with e.lock:  # as its timer runs it
+        with adm.engine.lock:  # as its timer runs it
             adm._expire(p)
         assert p not in adm.pending and qp.qp_num not in adm.unkeyed
         assert adm.timed_out == timed_out + 1
-    finally:
-        a.close()
-        b.close()
