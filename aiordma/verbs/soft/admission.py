@@ -235,12 +235,7 @@ class Admission:
                 self._unwatch(p)
                 return
             self._forget(p)
-            qp = self.verify(h)
-            if qp is None:
-                self.refused_hellos += 1
-                p.sock.close()
-                return
-            e.conn_hello(p.sock, p.peer, qp, h[3], h[4])
+            self._judge(p, h)
 
     def keyed(self, qpn: int) -> None:
         """QP ``qpn`` got its key: judge the HELLOs that waited for it (NIC thread, device
@@ -248,12 +243,17 @@ class Admission:
         for p in self.unkeyed.pop(qpn, []):
             self._forget(p)
             assert p.hello is not None
-            qp = self.verify(p.hello)
-            if qp is None:
-                self.refused_hellos += 1
-                p.sock.close()
-            else:
-                self.engine.conn_hello(p.sock, p.peer, qp, p.hello[3], p.hello[4])
+            self._judge(p, p.hello)
+
+    def _judge(self, p: Pending, h: tuple[Any, ...]) -> None:
+        """``p``'s complete HELLO ``h`` (out of ``pending``): bind its socket as a
+        connection of the QP it names, or close it without an answer (device lock held)."""
+        qp = self.verify(h)
+        if qp is None:
+            self.refused_hellos += 1
+            p.sock.close()
+        else:
+            self.engine.conn_hello(p.sock, p.peer, qp, h[3], h[4])
 
     def verify(self, h: tuple[Any, ...]) -> SoftQP | None:
         """The QP a HELLO (unpacked) may bind to, or None (device lock held)."""
