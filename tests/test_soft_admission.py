@@ -2,7 +2,7 @@
 RESET: its owner has not reached INIT) waits for the key and is judged then, as
 hardware drops requests to a QP that is not ready and the requester's retries find it
 ready. Two processes that bring their QPs up at the same time race like this; the peer
-that dials first must not lose its connection (it used to end its first WR with
+that dials first must not lose its connection (its first WR would end with
 RETRY_EXC_ERR). What waits is still a pending socket: capped, timed out, and refused
 when its MAC does not match the key the QP gets.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 from test_verbs_provider import ACC_ALL, Resources, bring_up, poll_n, res, send, sge, statuses
@@ -37,9 +37,11 @@ def adm(provider_name: str, ctx: Context) -> Admission:
     return e.admission
 
 
-def _wait_for(cond: object, what: str, seconds: float = 10.0) -> None:
+def _wait_for(cond: Callable[[], bool], what: str, seconds: float = 10.0) -> None:
+    """Poll ``cond`` until it holds; fail with ``what`` after ``seconds`` (a synchronous
+    ``_stacks.eventually``)."""
     deadline = time.monotonic() + seconds
-    while not cond():  # type: ignore[operator]
+    while not cond():
         assert time.monotonic() < deadline, what
         time.sleep(0.002)
 
