@@ -7,7 +7,13 @@ missing, or that fails to compile, is left out: its pure-Python path runs instea
 the build says why on stderr and in ``aiordma/_build.json`` (``aiordma.native.build()``
 reads it).
 
-mypyc (``aiordma.native.MODULES``): only with ``AIORDMA_MYPYC=1`` (``make native``).
+mypyc (``aiordma.native.MODULES``, one group: ``aiordma._native__mypyc`` and a shim per
+module): built by default too where mypy (mypyc) is installed -- a build requirement in
+pyproject.toml, so ``pip install`` has it -- and a C compiler works. The group is all or
+nothing: if mypyc cannot translate the modules or its C does not compile, none of them is
+compiled, the sources run, and ``_build.json`` says why. ``AIORDMA_MYPYC``: ``auto`` (the
+default, as above), ``1`` (required: the build fails without it; ``make native``) or
+``0`` (never).
 
 ``AIORDMA_BUILD``: ``auto`` (the default, as above), ``python`` (compile nothing), or
 ``compiled`` (every Cython extension, or the build fails: ``make native``, the VM tier).
@@ -29,6 +35,11 @@ from setuptools.command.build_ext import build_ext
 MODE = os.environ.get("AIORDMA_BUILD", "auto")
 if MODE not in ("auto", "python", "compiled"):
     raise SystemExit(f"AIORDMA_BUILD={MODE!r}: use auto, python or compiled")
+MYPYC = os.environ.get("AIORDMA_MYPYC", "auto")
+if MYPYC not in ("auto", "0", "1"):
+    raise SystemExit(f"AIORDMA_MYPYC={MYPYC!r}: use auto, 0 or 1")
+#: the mypyc group's key in ``left_out`` and ``_build.json`` (aiordma.native.MYPYC_GROUP)
+MYPYC_GROUP = "aiordma._native"
 
 
 def _native_literal(name: str) -> Any:
@@ -53,6 +64,10 @@ def cython_extensions() -> list[tuple[str, str, tuple[str, ...]]]:
             for _tag, mod, headers in _native_literal("EXTENSIONS")]
 
 
+#: the commands that compile (a command line with none of them, e.g. sdist, compiles nothing)
+BUILD_COMMANDS = frozenset({"build", "build_ext", "bdist", "bdist_wheel", "bdist_egg",
+                            "install", "develop", "editable_wheel"})
+
 #: module -> why it is left out ("" once built)
 left_out: dict[str, str] = {}
 HEADERS: dict[str, tuple[str, ...]] = {}
@@ -60,9 +75,15 @@ HEADERS: dict[str, tuple[str, ...]] = {}
 
 def _note(module: str, why: str) -> None:
     left_out[module] = why
-    msg = f"aiordma: {module} is not compiled ({why}); its pure-Python path runs instead"
-    if MODE == "compiled":
-        raise SystemExit(msg + " [AIORDMA_BUILD=compiled]")
+    if module == MYPYC_GROUP:
+        msg = (f"aiordma: the mypyc modules are not compiled ({why}); their Python sources "
+               "run instead")
+        if MYPYC == "1":
+            raise SystemExit(msg + " [AIORDMA_MYPYC=1]")
+    else:
+        msg = f"aiordma: {module} is not compiled ({why}); its pure-Python path runs instead"
+        if MODE == "compiled":
+            raise SystemExit(msg + " [AIORDMA_BUILD=compiled]")
     print(msg, file=sys.stderr)
 
 
@@ -108,7 +129,7 @@ class BuildExt(build_ext):
         return ""
 
     def build_extension(self, ext: Any) -> None:
-        if ext.name not in HEADERS:  # mypyc's
+        if ext.name not in HEADERS:  # mypyc's (_build_mypyc_group)
             super().build_extension(ext)
             return
         why = self._headers_compile(HEADERS[ext.name])
@@ -121,6 +142,45 @@ class BuildExt(build_ext):
             _note(ext.name, f"compiling it failed: {exc}")
             return
         left_out[ext.name] = ""
+
+    def build_extensions(self) -> None:
+        """Each Cython extension on its own, then the mypyc group, all or nothing: its
+        shared library first, then the shims (a shim without the library would fail to
+        import); if any fails, what the group built is removed. What is left out is
+        dropped from the list, so that nothing copies or installs it."""
+        self.check_extensions_list(self.extensions)
+        group = [e for e in self.extensions if e.name not in HEADERS]
+        for ext in self.extensions:
+            if ext.name in HEADERS:
+                self.build_extension(ext)
+        if group:
+            self._build_mypyc_group(group)
+        self.extensions = [e for e in self.extensions
+                           if left_out.get(e.name if e.name in HEADERS else MYPYC_GROUP) == ""]
+
+    def _build_mypyc_group(self, group: list[Any]) -> None:
+        built: list[str] = []
+        try:
+            for ext in group:
+                self.build_extension(ext)
+                built.append(self.get_ext_fullpath(ext.name))
+        except Exception as exc:
+            for path in built:
+                if os.path.exists(path):
+                    os.unlink(path)
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            _note(MYPYC_GROUP, f"compiling mypyc's C failed: {first}")
+            return
+        left_out[MYPYC_GROUP] = ""
+
+    def finalize_options(self) -> None:
+        # mypyc's group joins the list here, where build_ext prepares each extension --
+        # only when something builds: sdist finalizes this command too (for the sources
+        # it would ship), and must neither wait for mypyc nor ship the C it writes
+        if BUILD_COMMANDS & set(getattr(self.distribution, "commands", None) or ()):
+            self.distribution.ext_modules = (list(self.distribution.ext_modules or [])
+                                             + _mypyc_ext_modules())
+        super().finalize_options()
 
     def run(self) -> None:
         super().run()
@@ -136,15 +196,30 @@ class BuildExt(build_ext):
 
 
 def ext_modules() -> list[Any]:
-    """The extensions to build: the Cython ones, and mypyc's with ``AIORDMA_MYPYC=1``."""
-    out = _cython_ext_modules()
-    if os.environ.get("AIORDMA_MYPYC") == "1":
-        from mypyc.build import mypycify
+    """The Cython extensions to build (``BuildExt.run`` adds mypyc's group: translating
+    the modules takes a while, and only a build needs it)."""
+    return _cython_ext_modules()
 
-        # group "aiordma._native": one shared library, aiordma/_native__mypyc
-        # (native.SHARED_LIB)
-        out += mypycify(native_modules(), opt_level="3", group_name="aiordma._native")
-    return out
+
+def _mypyc_ext_modules() -> list[Any]:
+    """mypyc's group (``native.MODULES``) as extensions, or none, with the reason
+    noted: ``AIORDMA_MYPYC=0`` or ``AIORDMA_BUILD=python``, mypy missing, or the
+    modules failing mypyc's type check."""
+    if MODE == "python" or MYPYC == "0":
+        left_out[MYPYC_GROUP] = "AIORDMA_BUILD=python" if MODE == "python" else "AIORDMA_MYPYC=0"
+        return []
+    try:
+        from mypyc.build import mypycify
+    except ImportError as exc:
+        _note(MYPYC_GROUP, f"mypy (mypyc) is not installed: {exc}")
+        return []
+    try:
+        # one shared library, aiordma/_native__mypyc (native.SHARED_LIB), and a shim per
+        # module
+        return list(mypycify(native_modules(), opt_level="3", group_name=MYPYC_GROUP))
+    except (Exception, SystemExit) as exc:  # mypyc exits on a type error
+        _note(MYPYC_GROUP, f"mypyc could not translate the modules: {exc}")
+        return []
 
 
 def build_in_place() -> None:

@@ -5,12 +5,14 @@ process runs.
   package). ``setup.py`` builds them by default (``pip install``, ``make native``) where
   a C compiler, Cython and the C headers each one needs are found; one left out leaves
   its pure-Python path in charge, and the build records why (``BUILD_INFO``).
-* ``MODULES`` -- Python modules of the per-message path compiled as they are by mypyc
-  (``make native``, ``AIORDMA_MYPYC=1``; not by default: building needs mypy). mypyc
-  uses the type hints to compile classes and attribute access; it measured about half
-  the instructions per message of the pure sources, where Cython compiling the same
-  Python modules measured no gain (docs/history/compilers-2026-12-01.json). Cython serves
-  where the code is written for C.
+* ``MODULES`` -- Python modules of the per-message path compiled as they are by mypyc,
+  one group (``MYPYC_GROUP``) built by default too where mypy (a build requirement in
+  pyproject.toml) and a C compiler are found; all of them or none, the build records
+  why (``AIORDMA_MYPYC``: ``auto``, ``1`` required, ``0`` never). mypyc uses the type
+  hints to compile classes and attribute access; it measured about half the
+  instructions per message of the pure sources, where Cython compiling the same Python
+  modules measured no gain (docs/history/compilers-2026-12-01.json). Cython serves where
+  the code is written for C.
 
 ``build()`` says which compiled pieces this process runs and why the others do not;
 ``mypyc_attr`` tells mypyc how to compile a class (a no-op where mypy_extensions is
@@ -39,7 +41,7 @@ else:
             return lambda cls: cls
 
 
-__all__ = ["mypyc_attr", "MODULES", "EXTENSIONS", "Build", "compiled_modules", "build",
+__all__ = ["mypyc_attr", "MODULES", "MYPYC_GROUP", "EXTENSIONS", "Build", "compiled_modules", "build",
            "stale_modules", "warn_if_stale"]
 
 #: The Cython extension modules setup.py builds, as ``(tag, module, C headers it
@@ -51,10 +53,14 @@ EXTENSIONS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
 )
 
 #: What setup.py's last build of this tree compiled and left out, and why: a JSON file
-#: in the package, ``{"extensions": {module: "" or why it was left out}}``.
+#: in the package, ``{"extensions": {module: "" or why it was left out}}`` (the mypyc
+#: group under ``MYPYC_GROUP``).
 BUILD_INFO: Final = "_build.json"
 
-#: the modules mypyc compiles (``make native``; setup.py reads this literal)
+#: setup.py's name of the mypyc group (its key in ``BUILD_INFO``)
+MYPYC_GROUP: Final = "aiordma._native"
+
+#: the modules mypyc compiles (setup.py reads this literal)
 MODULES: tuple[str, ...] = (
     "aiordma.endpoint",
     "aiordma.onesided",
@@ -109,13 +115,15 @@ class Build:
     """What this process runs compiled.
 
     ``modules``: how ``MODULES`` run -- ``"mypyc"`` (all compiled), ``"python"`` (none)
-    or ``"mixed"`` (a partial or stale build). ``extensions``: per ``EXTENSIONS`` tag,
-    ``""`` when the compiled module is imported, else why not. ``tags`` holds
-    ``modules`` and the tags of the compiled extensions (what a test run that requires
-    a build names)."""
+    or ``"mixed"`` (a partial or stale build); ``modules_why``: when not all compiled,
+    why the build left them out, where it said (else ``""``). ``extensions``: per
+    ``EXTENSIONS`` tag, ``""`` when the compiled module is imported, else why not.
+    ``tags`` holds ``modules`` and the tags of the compiled extensions (what a test run
+    that requires a build names)."""
 
     modules: str
     extensions: dict[str, str]
+    modules_why: str = ""
 
     @property
     def tags(self) -> frozenset[str]:
@@ -131,7 +139,8 @@ class Build:
         return self.extensions.get(tag) == ""
 
     def __str__(self) -> str:
-        parts = [self.modules] + [f"{tag}: {'compiled' if not why else why}"
+        first = f"{self.modules} ({self.modules_why})" if self.modules_why else self.modules
+        parts = [first] + [f"{tag}: {'compiled' if not why else why}"
                                   for tag, why in self.extensions.items()]
         return "; ".join(parts)
 
@@ -167,7 +176,12 @@ def extension_status(module: str, root: str | None = None) -> str:
 
 def build() -> Build:
     """What this process runs compiled (``Build``); imports the compiled modules."""
-    return Build(_modules_build(), {tag: extension_status(mod) for tag, mod, _ in EXTENSIONS})
+    modules = _modules_build()
+    why = ""
+    if modules != "mypyc":
+        left = _build_info(_root()).get(MYPYC_GROUP)
+        why = f"not compiled: {left}" if left else ""
+    return Build(modules, {tag: extension_status(mod) for tag, mod, _ in EXTENSIONS}, why)
 
 
 def _root() -> str:

@@ -112,6 +112,83 @@ def test_setup_leaves_out_an_extension_whose_headers_do_not_compile(tmp_path: pa
         assert cmd._headers_compile(("Python.h",)) == ""
 
 
+def _build_ext(ns: dict[str, object], tmp_path: pathlib.Path, commands: list[str]) -> object:
+    """setup.py's BuildExt on a distribution given ``commands``, building into
+    ``tmp_path``, finalized."""
+    from setuptools import Distribution
+
+    dist = Distribution({"ext_modules": [], "script_name": "setup.py"})
+    dist.commands = commands
+    cmd = ns["BuildExt"](dist)  # type: ignore[operator]
+    cmd.initialize_options()
+    cmd.build_lib = cmd.build_temp = str(tmp_path)
+    cmd.finalize_options()
+    return cmd
+
+
+def test_mypyc_group_is_built_all_or_nothing(tmp_path: pathlib.Path) -> None:
+    """A shim of the mypyc group that fails to compile takes the group's shared library
+    and the shims built before it away, and the group out of the extensions to copy or
+    install; the Cython extensions are not affected."""
+    from setuptools import Extension
+    from setuptools.errors import CompileError
+
+    ns = _setup_ns()
+    ns["_mypyc_ext_modules"] = lambda: []
+    cmd: object = _build_ext(ns, tmp_path, ["build_ext"])
+    lib, shim, broken = (Extension(n, [f"{n}.c"]) for n in (
+        native.SHARED_LIB, "aiordma.endpoint", "aiordma.onesided"))
+    cython = Extension("aiordma.verbs.ibverbs.fastpath", ["x.c"])
+    ns["HEADERS"] = {cython.name: ()}  # type: ignore[index]
+    built: list[str] = []
+
+    def build_extension(ext: Extension) -> None:
+        if ext is broken:
+            raise CompileError("gcc: error")
+        path = cmd.get_ext_fullpath(ext.name)  # type: ignore[attr-defined]
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        pathlib.Path(path).write_bytes(b"")
+        built.append(path)
+        if ext is cython:
+            ns["left_out"][ext.name] = ""  # type: ignore[index]
+
+    cmd.build_extension = build_extension  # type: ignore[attr-defined]
+    cmd.extensions = [cython, lib, shim, broken]  # type: ignore[attr-defined]
+    cmd.build_extensions()  # type: ignore[attr-defined]
+    assert len(built) == 3 and os.path.exists(built[0])
+    assert not any(os.path.exists(p) for p in built[1:])
+    assert ns["left_out"][native.MYPYC_GROUP] == (  # type: ignore[index]
+        "compiling mypyc's C failed: gcc: error")
+    assert cmd.extensions == [cython]  # type: ignore[attr-defined]
+
+
+def test_mypyc_group_left_out_says_why(tmp_path: pathlib.Path,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without mypy, or with AIORDMA_MYPYC=0, the group is left out with its reason;
+    AIORDMA_MYPYC=1 makes a missing mypy fail the build; an sdist does not run mypyc."""
+    ns = _setup_ns()
+    ns["MYPYC"] = "0"
+    assert ns["_mypyc_ext_modules"]() == []  # type: ignore[operator]
+    assert ns["left_out"][native.MYPYC_GROUP] == "AIORDMA_MYPYC=0"  # type: ignore[index]
+    monkeypatch.setitem(sys.modules, "mypyc.build", None)  # import raises ImportError
+    ns["MYPYC"] = "auto"
+    assert ns["_mypyc_ext_modules"]() == []  # type: ignore[operator]
+    assert ns["left_out"][native.MYPYC_GROUP].startswith(  # type: ignore[index]
+        "mypy (mypyc) is not installed")
+    ns["MYPYC"] = "1"
+    with pytest.raises(SystemExit, match="AIORDMA_MYPYC=1"):
+        ns["_mypyc_ext_modules"]()  # type: ignore[operator]
+
+    def no_mypyc() -> list[object]:
+        raise AssertionError("an sdist ran mypyc")
+
+    ns["_mypyc_ext_modules"] = no_mypyc
+    assert _build_ext(ns, tmp_path, ["sdist"]).extensions == []  # type: ignore[attr-defined]
+    b = native.Build("python", {"verbs": ""}, "not compiled: AIORDMA_MYPYC=0")
+    assert str(b) == "python (not compiled: AIORDMA_MYPYC=0); verbs: compiled"
+    assert b.tags == {"python", "verbs"}
+
+
 def test_decorator_shim_without_mypy_extensions(monkeypatch: pytest.MonkeyPatch) -> None:
     """A pure install may lack mypy_extensions: the decorator is then the identity."""
     monkeypatch.setitem(sys.modules, "mypy_extensions", None)  # import raises ImportError

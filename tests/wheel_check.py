@@ -4,8 +4,8 @@ checkout:
 
     python tests/wheel_check.py DIST_DIR CHECKOUT
 
-Checks what the sdist and the wheel in DIST_DIR contain (the compiled verbs data path
-where a C compiler and rdma-core's headers are here), that ``aiordma`` is imported
+Checks what the sdist and the wheel in DIST_DIR contain (the mypyc modules where a C
+compiler is here, the compiled verbs data path where rdma-core's headers are too), that ``aiordma`` is imported
 from the environment (not the checkout) with its ``py.typed``, license and entry point,
 then runs, each as a process with a time limit: ``aiordma doctor``, ``aiordma devices``,
 ``aiordma bench --help`` and a short bench, the examples of CHECKOUT/examples and the
@@ -51,6 +51,9 @@ def check_archives(dist: pathlib.Path) -> None:
     built = [n for n in names if re.fullmatch(r"aiordma/verbs/ibverbs/fastpath\..*\.so", n)]
     if os.path.exists(VERBS_H) and shutil.which("cc") and not built:
         fail(f"{VERBS_H} and a C compiler are here, but the wheel has no compiled data path")
+    lib = native.SHARED_LIB.replace(".", "/")
+    if shutil.which("cc") and not any(re.fullmatch(rf"{lib}\..*\.so", n) for n in names):
+        fail("a C compiler is here, but the wheel has no mypyc modules")
     if not any(re.fullmatch(r"aiordma-[^/]+\.dist-info/licenses/LICENSE", n) for n in names):
         fail("the wheel has no dist-info/licenses/LICENSE")
     stray = [n for n in names if n.split("/")[0] in ("tests", "examples", "docs")]
@@ -77,6 +80,8 @@ def check_installed(checkout: pathlib.Path) -> None:
     build = native.build()
     if os.path.exists(VERBS_H) and shutil.which("cc") and not build.compiled("verbs"):
         fail(f"a source install with a C compiler and {VERBS_H} runs {build}")
+    if shutil.which("cc") and build.modules != "mypyc":
+        fail(f"a source install with a C compiler runs {build}, not the mypyc modules")
     print(f"ok: aiordma {aiordma.__version__} installed in {pkg}, typed, MIT, build {build}",
           flush=True)
 
