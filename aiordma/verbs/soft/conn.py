@@ -167,30 +167,59 @@ class Conn:
     def send(self, bufs: list[bytes | memoryview]) -> None:
         if self.state >= CLOSING or self._write_broken:
             return
-        self.out.extend(bufs)
-        if self.state == OPEN and not self.want_write:
-            self._flush()
+        out = self.out
+        if out or self.want_write or self.state != OPEN or len(bufs) > IOV_CHUNK:
+            out.extend(bufs)
+            if self.state == OPEN and not self.want_write:
+                self._flush()
+            return
+        # nothing queued: written straight from the caller's list, the rest queued
+        n = self._write(bufs)
+        if n < 0:
+            return
+        for i, b in enumerate(bufs):
+            size = len(b)
+            if n >= size:
+                n -= size
+                continue
+            out.append(memoryview(b)[n:] if n else b)
+            out.extend(bufs[i + 1:])
+            self._need_write()
+            return
+
+    def _write(self, bufs: list[bytes | memoryview]) -> int:
+        """One ``sendmsg`` of ``bufs``: bytes taken (0 when the kernel takes none now),
+        or -1 when the connection broke (handled: see ``_broken``)."""
+        sock = self.sock
+        assert sock is not None
+        try:
+            n = sock.sendmsg(bufs)
+        except (BlockingIOError, InterruptedError):
+            return 0
+        except OSError:
+            self._broken()
+            return -1
+        self.last_tx = _monotonic()
+        return n
+
+    def _broken(self) -> None:
+        """Writing failed: drop the output. The peer closed (EPIPE) while we still
+        read: what it sent before closing (e.g. the NAK that made it close) is still to
+        be read, and the EOF then fails us; else fail now."""
+        self.out.clear()
+        if self.reading and self.state == OPEN and self.sock is not None:
+            self._write_broken = True
+            return
+        self.fail()
 
     def _flush(self) -> None:
         out = self.out
-        sock = self.sock
-        assert sock is not None
-        sent_any = False
         while out:
-            try:
-                n = sock.sendmsg(list(islice(out, IOV_CHUNK)) if len(out) > 1 else [out[0]])
-            except (BlockingIOError, InterruptedError):
-                break
-            except OSError:
-                out.clear()
-                if self.reading and self.state == OPEN and self.sock is not None:
-                    # The peer closed (EPIPE): what it sent before closing (e.g. the NAK
-                    # that made it close) is still to be read; the EOF then fails us.
-                    self._write_broken = True
-                    return
-                self.fail()
+            n = self._write(list(islice(out, IOV_CHUNK)) if len(out) > 1 else [out[0]])
+            if n <= 0:
+                if n == 0:
+                    break
                 return
-            sent_any = True
             while n:
                 first = out[0]
                 size = len(first)
@@ -200,8 +229,6 @@ class Conn:
                 else:
                     out[0] = memoryview(first)[n:]
                     n = 0
-        if sent_any:
-            self.last_tx = _monotonic()
         if out:
             self._need_write()
 
@@ -455,10 +482,14 @@ class Conn:
             sink.on_done()
 
     def _take_stage(self) -> None:
-        """Borrow a staging buffer from the device's pool (lock held)."""
+        """Borrow a staging buffer, and its memoryview, from the device's pool (lock
+        held)."""
         pool = self.engine.stage_pool
-        self._stage = pool.pop() if pool else bytearray(STAGE_SIZE)
-        self._smv = memoryview(self._stage)
+        if pool:
+            self._stage, self._smv = pool.pop()
+        else:
+            self._stage = bytearray(STAGE_SIZE)
+            self._smv = memoryview(self._stage)
         self._rpos = self._wpos = 0
 
     def _give_stage(self) -> None:
@@ -467,12 +498,12 @@ class Conn:
         stage = self._stage
         if stage is _NO_STAGE:
             return
+        pool = self.engine.stage_pool
+        if len(pool) < STAGE_POOL:
+            pool.append((stage, self._smv))
         self._stage = _NO_STAGE
         self._smv = _NO_SMV
         self._rpos = self._wpos = 0
-        pool = self.engine.stage_pool
-        if len(pool) < STAGE_POOL:
-            pool.append(stage)
 
     def _fill(self, sock: socket.socket) -> bool:
         """Read more into staging (lock held); False on EAGAIN. Raises OSError; handles
@@ -487,7 +518,7 @@ class Conn:
             self._rpos, self._wpos = 0, n
         room = STAGE_SIZE - self._wpos
         try:
-            n = sock.recv_into(self._smv[self._wpos:])
+            n = sock.recv_into(self._smv[self._wpos:] if self._wpos else self._smv)
         except (BlockingIOError, InterruptedError):
             return False
         if n == 0:

@@ -85,7 +85,7 @@ class Engine:
         self.secret = secrets.token_bytes(32)
         self.limit_logged = False  # out of descriptors, logged (dial.py: once per burst)
         #: input staging buffers lent to connections while they parse (conn.py)
-        self.stage_pool: list[bytearray] = []
+        self.stage_pool: list[tuple[bytearray, memoryview]] = []  # (buffer, its view)
         self.admission = Admission(self)  # (reads its settings: DeviceError first)
         opened: list[socket.socket | selectors.BaseSelector | int] = []
         try:

@@ -273,9 +273,12 @@ class SoftQP(Responder):
             mr = keys.get(s.lkey)
             off = s.addr - mr.addr if mr is not None else -1
             if mr is not None and 0 <= off and off + s.length <= mr.length:
-                parts.append(bytes(mr.view[off:off + s.length]))
+                part = bytes(mr.view[off:off + s.length])
             else:  # inline data needs no registration: read the caller's memory
-                parts.append(_string_at(s.addr, s.length))
+                part = _string_at(s.addr, s.length)
+            if len(sg) == 1:
+                return part
+            parts.append(part)
         return b"".join(parts)
 
     def post_recv(self, wrs: list[RecvWR]) -> None:
