@@ -331,10 +331,12 @@ class CQReactor:
         self.dispatching = True
         try:
             for wc in wcs:
-                entry = table.pop(wc.wr_id, None)
+                wr_id = wc.wr_id
+                entry = table.get(wr_id)  # (get and del: C calls; dict.pop is a method call)
                 if entry is None:
                     self.unknown_wr_ids += 1
                     continue
+                del table[wr_id]
                 try:
                     entry[0](wc, entry[1])
                 except Exception as exc:  # a bug in a handler must not stop the dispatch

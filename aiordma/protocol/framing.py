@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import struct
 from enum import IntEnum
+from typing import Final
 
 from .errors import LocalProtocolError, RemoteProtocolError
 
@@ -79,6 +80,7 @@ BATCH_RECORD = 4
 HANDSHAKE_FLAG_BATCH = 1
 """Handshake ``flags`` bit: this endpoint understands BATCH frames."""
 _REC = struct.Struct("<I")
+_unpack_header: Final = HEADER.unpack_from  # (bound once: a call, not a method lookup, per frame)
 
 _U32 = 0xFFFFFFFF
 _U64 = 0xFFFFFFFFFFFFFFFF
@@ -173,7 +175,7 @@ def parse_frame(buf: ReadableBuffer, byte_len: int, max_message_size: int) -> Fr
         raise RemoteProtocolError(
             f"frame length {byte_len} exceeds the receive buffer ({len(buf)} bytes)"
         )
-    t, flags, credits, aux = HEADER.unpack_from(buf)
+    t, flags, credits, aux = _unpack_header(buf)
     if t == _DATA:
         if aux != byte_len - HEADER_SIZE:
             raise RemoteProtocolError(
@@ -262,8 +264,8 @@ def _bad_flags(t: int, flags: int) -> RemoteProtocolError:
 
 # -- writers -------------------------------------------------------------------------------
 
-_pack_header = HEADER.pack_into
-_pack_rndv = RNDV_BODY.pack_into
+_pack_header: Final = HEADER.pack_into
+_pack_rndv: Final = RNDV_BODY.pack_into
 
 
 def write_data_header(buf: WritableBuffer, credits: int, payload_len: int) -> int:

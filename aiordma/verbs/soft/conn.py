@@ -413,7 +413,7 @@ class Conn:
                 sink = self._sink
                 if sink is not None:
                     if self._rpos < self._wpos:
-                        self._rpos += sink.feed(self._smv[self._rpos:self._wpos])
+                        self._rpos += sink.feed(self._stage, self._smv, self._rpos, self._wpos)
                     elif sink.remaining >= DIRECT_MIN:
                         if budget <= 0 or self._short:
                             break

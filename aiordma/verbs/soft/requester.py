@@ -202,7 +202,7 @@ class Requester(QPCore):
         conn = self._req_conn
         if conn is None:
             return self._progress
-        return max(self._progress, conn.last_tx, conn.last_rx)
+        return max(max(self._progress, conn.last_tx), conn.last_rx)  # (2-arg max: C)
 
     def _arm_ack_timer(self) -> None:
         if self._ack_armed or not (self._inflight or self._unsent):

@@ -14,6 +14,9 @@ from typing import Final
 #: received into one shared scratch buffer of that size
 STAGE_SIZE: Final = 256 * 1024
 _scratch = memoryview(bytearray(STAGE_SIZE))
+#: pieces up to this size are copied through a temporary bytes slice (cheaper than a
+#: memoryview per packet); larger ones from a memoryview of the staging buffer
+SMALL_COPY: Final = 4096
 
 
 class Sink:
@@ -48,20 +51,29 @@ class Sink:
         if self.segs is not None:
             self.off += n
 
-    def feed(self, src: memoryview) -> int:
-        """Copy from ``src`` (staged bytes); returns how many were consumed."""
-        used = 0
-        avail = len(src)
-        while avail > used and self.remaining:
-            if self.segs is None:
-                k = min(avail - used, self.remaining)
+    def feed(self, stage: bytearray, view: memoryview, start: int, end: int) -> int:
+        """Copy from the staged bytes ``stage[start:end]`` (``view``: a memoryview of
+        ``stage``); returns how many were consumed. A small piece is copied through a
+        bytearray slice (no memoryview made per packet), a large one from ``view``
+        (no second copy)."""
+        used = start
+        segs = self.segs
+        while end > used and self.remaining:
+            if segs is None:
+                k = min(end - used, self.remaining)
             else:
-                t = self.target()
-                k = min(avail - used, len(t), self.remaining)
-                t[:k] = src[used:used + k]
+                seg = segs[self.idx]
+                off = self.off
+                while off >= len(seg):
+                    self.idx += 1
+                    off = self.off = 0
+                    seg = segs[self.idx]
+                k = min(min(end - used, len(seg) - off), self.remaining)  # (2-arg min: C)
+                seg[off:off + k] = (stage[used:used + k] if k <= SMALL_COPY
+                                    else view[used:used + k])
             self.advance(k)
             used += k
-        return used
+        return used - start
 
 
 def discard(length: int) -> Sink | None:

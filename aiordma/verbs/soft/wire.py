@@ -163,7 +163,10 @@ def pack_hello(src_port: int, src_qpn: int, dst_qpn: int, src_gid: bytes, key: b
 
 def pack(op: int, psn: int, length: int = 0, *, flags: int = 0, aux: int = 0, imm: int = 0,
          rkey: int = 0, remote_addr: int = 0, compare_add: int = 0, swap: int = 0) -> bytes:
-    return HDR.pack(op, flags, aux, psn, length, imm, rkey, 0, remote_addr, compare_add, swap)
+    return _HDR_PACK(op, flags, aux, psn, length, imm, rkey, 0, remote_addr, compare_add, swap)
+
+
+_HDR_PACK: Final = HDR.pack  # (bound once: a call, not a method lookup, per packet)
 
 
 #: IB min_rnr_timer encoding -> seconds (IBTA table 45).
