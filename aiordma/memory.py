@@ -21,6 +21,7 @@ import struct
 from typing import Any, ClassVar, Final
 
 from .native import mypyc_attr
+from .protocol.slots import Slots
 from .verbs import MR, PD, Access
 from .verbs.buffers import PinnedBuffer, SharedMemory
 
@@ -200,49 +201,17 @@ def _page_round(n: int) -> int:
     return max(page, (n + page - 1) // page * page)
 
 
-class SlotPool:
-    """``count`` slots of ``slot_size`` bytes in one page-aligned registered mmap.
-
-    ``acquire()`` returns a free slot index or ``None``; ``release(i)`` returns it.
-    Releasing a free slot raises ValueError. Not thread-safe (loop thread only).
-    """
+class SlotPool(Slots):
+    """``count`` slots of ``slot_size`` bytes in one page-aligned registered mmap
+    (``Slots``: acquire and release; ``mr``: the registration). Raises ValueError for a
+    non-positive size or count, RDMAError when the registration fails."""
 
     def __init__(self, pd: PD, slot_size: int, count: int, access: Access = Access.LOCAL_WRITE) -> None:
         if slot_size <= 0 or count <= 0:
             raise ValueError("slot_size and count must be positive")
-        self.slot_size = slot_size
-        self.count = count
         self._map = mmap.mmap(-1, _page_round(slot_size * count))
         self.mr = pd.reg_mr(self._map, access)
-        self.lkey = self.mr.lkey
-        self.base = self.mr.addr
-        self.view = self.mr.view
-        self._free = list(range(count - 1, -1, -1))
-        self._used = bytearray(count)
-
-    @property
-    def available(self) -> int:
-        return len(self._free)
-
-    def acquire(self) -> int | None:
-        if not self._free:
-            return None
-        i = self._free.pop()
-        self._used[i] = 1
-        return i
-
-    def release(self, i: int) -> None:
-        if not self._used[i]:
-            raise ValueError(f"slot {i} is not in use")
-        self._used[i] = 0
-        self._free.append(i)
-
-    def addr(self, i: int) -> int:
-        return self.base + i * self.slot_size
-
-    def slot(self, i: int, length: int | None = None) -> memoryview:
-        off = i * self.slot_size
-        return self.view[off: off + (self.slot_size if length is None else length)]
+        super().__init__(self.mr.view, self.mr.addr, self.mr.lkey, slot_size, count)
 
     def close(self) -> None:
         self.mr.close()
@@ -250,9 +219,6 @@ class SlotPool:
             self._map.close()
         except BufferError:  # a view escaped; the mapping is freed with it
             pass
-
-    def __repr__(self) -> str:
-        return f"<SlotPool {self.count}x{self.slot_size} free={len(self._free)}>"
 
 
 class Staging:

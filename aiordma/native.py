@@ -76,6 +76,7 @@ MODULES: tuple[str, ...] = (
     "aiordma.poll_schedule",
     "aiordma.spin_policy",
     "aiordma.protocol.sendq",
+    "aiordma.protocol.slots",
     "aiordma.memory",
     "aiordma.protocol.credits",
     "aiordma.protocol.framing",

@@ -9,46 +9,16 @@ from collections.abc import Callable
 from typing import Any
 
 from aiordma.protocol.engine import MessageEngine
+from aiordma.protocol.slots import Slots
 from aiordma.verbs.enums import WCOpcode, WCStatus, WROpcode
 from aiordma.verbs.wr import SGE, WC, SendWR
 
 EAGER = 256
 
 
-class Pool:
-    """SlotPool's interface over a bytearray (addresses are offsets + ``base``)."""
-
-    def __init__(self, slot_size: int, count: int, base: int) -> None:
-        self.slot_size = slot_size
-        self.count = count
-        self.base = base
-        self.lkey = 7
-        self.view = memoryview(bytearray(slot_size * count))
-        self._free = list(range(count - 1, -1, -1))
-        self.used = bytearray(count)
-
-    @property
-    def available(self) -> int:
-        return len(self._free)
-
-    def acquire(self) -> int | None:
-        if not self._free:
-            return None
-        i = self._free.pop()
-        self.used[i] = 1
-        return i
-
-    def release(self, i: int) -> None:
-        assert self.used[i], f"slot {i} released twice"
-        self.used[i] = 0
-        self._free.append(i)
-
-    def addr(self, i: int) -> int:
-        return self.base + i * self.slot_size
-
-    def slot(self, i: int, length: int | None = None) -> memoryview:
-        off = i * self.slot_size
-        return self.view[off: off + (self.slot_size if length is None else length)]
+def make_pool(slot_size: int, count: int, base: int) -> Slots:
+    """The engine's ``Slots`` over a bytearray (addresses are offsets + ``base``)."""
+    return Slots(memoryview(bytearray(slot_size * count)), base, 7, slot_size, count)
 
 
 class Waiter:
@@ -187,9 +157,9 @@ def _copy(w: SendWR) -> SendWR:
 
 
 def make_engine(port: Port, *, recv_depth: int = 16, send_depth: int = 16, eager: int = EAGER,
-                base: int = 0x10000, **kw: Any) -> tuple[MessageEngine, Pool, Pool]:
-    spool = Pool(eager, send_depth, base)
-    rpool = Pool(eager, recv_depth, base + 0x100000)
+                base: int = 0x10000, **kw: Any) -> tuple[MessageEngine, Slots, Slots]:
+    spool = make_pool(eager, send_depth, base)
+    rpool = make_pool(eager, recv_depth, base + 0x100000)
     frame_wrs = [SendWR(0, WROpcode.SEND, [SGE(spool.addr(i), 0, spool.lkey)], 0)
                  for i in range(send_depth)]
     opts: dict[str, Any] = dict(eager=eager, max_message_size=1 << 20, inline_cap=0,
@@ -208,8 +178,8 @@ class Wire:
     posted receive buffer; ``step()`` delivers everything posted, then completes the
     senders' signaled WRs, then runs both ports' deferred calls."""
 
-    def __init__(self, a: tuple[MessageEngine, Pool, Pool, Port],
-                 b: tuple[MessageEngine, Pool, Pool, Port]) -> None:
+    def __init__(self, a: tuple[MessageEngine, Slots, Slots, Port],
+                 b: tuple[MessageEngine, Slots, Slots, Port]) -> None:
         self.sides = (a, b)
         self.recv_q: list[deque[int]] = [deque(), deque()]
 

@@ -7,7 +7,8 @@ counts the same program the same way whatever else runs. The client is run twice
 callgrind, with ``N1`` and ``N2`` round trips after the same warm-up; the difference
 of the two totals divided by ``N2 - N1`` is the cost of one round trip, without the
 start-up, the handshake and the exit (every thread of the client is counted: the
-``soft`` device's own work is part of the cost). The server runs normally.
+``soft`` device's own work is part of the cost). The server runs normally. Every
+process gets ``PYTHONHASHSEED=0`` unless the environment sets one (see ``_env``).
 
 Both clients do the same per round trip: send 64 bytes, then await the reply as one
 message (``await ep.send(); await ep.recv()`` against a Protocol whose
@@ -194,6 +195,9 @@ def _env() -> dict[str, str]:
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ)
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    # One string-hash seed for every run: dict probes (attribute and global lookups)
+    # depend on it, and moved the count by up to 2 % between runs of the same code.
+    env.setdefault("PYTHONHASHSEED", "0")
     return env
 
 

@@ -34,6 +34,7 @@ from .ops import RNDV, Waiter, wake
 from .receiver import Receiver
 from .sender import Sender
 from .sendq import SendQueue
+from .slots import Slots
 from .state import ConnectionState, Event, Local, Remote
 
 
@@ -118,7 +119,7 @@ class EnginePort(Protocol):
 class MessageEngine:
     """One connection's data path (module doc). ``connect()`` before sending."""
 
-    def __init__(self, port: EnginePort, *, spool: Any, rpool: Any, frame_wrs: list[Any],
+    def __init__(self, port: EnginePort, *, spool: Slots, rpool: Slots, frame_wrs: list[Any],
                  eager: int, max_message_size: int, inline_cap: int, send_depth: int,
                  signal_interval: int, signal_bytes: int, repost_batch: int,
                  rndv_prefetch: int, busy_ahead: int) -> None:

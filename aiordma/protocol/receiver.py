@@ -25,6 +25,7 @@ from aiordma.verbs.wr import WC
 from .errors import RemoteProtocolError
 from .framing import FrameType, batch_records, parse_frame
 from .ops import RNDV_READ, RX_DATA, RX_EOF, RX_RNDV, Op, Rx, Waiter, wake
+from .slots import Slots
 from .state import Event, Remote
 
 if TYPE_CHECKING:
@@ -44,7 +45,7 @@ class Receiver:
     ``rx_waiters``/``imm_waiters``: waiters woken when something arrives.
     """
 
-    def __init__(self, engine: MessageEngine, rpool: Any, repost_batch: int,
+    def __init__(self, engine: MessageEngine, rpool: Slots, repost_batch: int,
                  rndv_prefetch: int, busy_ahead: int) -> None:
         self.e = engine
         self.rpool = rpool

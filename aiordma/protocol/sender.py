@@ -44,6 +44,7 @@ from .framing import (
 )
 from .ops import ATOMIC, BATCH, CTRL, DATA, IMM, RNDV, Op
 from .sendq import SendQueue
+from .slots import Slots
 from .state import Local, Remote
 
 if TYPE_CHECKING:
@@ -67,7 +68,7 @@ class Sender:
     flags and wr_id).
     """
 
-    def __init__(self, engine: MessageEngine, spool: Any, frame_wrs: list[SendWR],
+    def __init__(self, engine: MessageEngine, spool: Slots, frame_wrs: list[SendWR],
                  sq: SendQueue) -> None:
         self.e = engine
         self.spool = spool
