@@ -16,7 +16,6 @@ reference.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final, cast
@@ -26,6 +25,7 @@ from .device import Device
 from .errors import RDMAError
 from .memory import LocalSpan, RegionTable, SlotPool, Staging, StagingCache
 from .options import EndpointOptions
+from .protocol.engine import EnginePort
 from .protocol.ops import Waiter
 from .verbs import (
     MTU,
@@ -57,7 +57,7 @@ def _consume_exception(fut: asyncio.Future[Any]) -> None:
         fut.exception()
 
 
-class Resources:
+class Resources(EnginePort):
     """The verbs objects of one endpoint (module doc); ``bind`` before posting.
 
     Raises what the device raises while the resources are made (RDMAError,
@@ -74,7 +74,6 @@ class Resources:
         #: the completion handlers of our send and receive work requests (``bind``)
         self._on_send: Callable[[WC, Any], None]
         self._on_recv: Callable[[WC, int], None]
-        self.new_send_id: Callable[[], int]  # (the engine port's: bound in ``bind``)
         self.destroyed = False  # (the engine port's flag)
         self.staging_registered = 0  # registrations by staging caches already closed
         self.hooks: Lifecycle  # the endpoint's lifecycle (set once it is made)
@@ -127,7 +126,6 @@ class Resources:
         self._on_send = on_send
         self._on_recv = on_recv
         self.hooks = hooks
-        self.new_send_id = functools.partial(self.reactor.register, on_send, None)
 
     # ---------------------------------------------------------------- connecting
     def connect(self, gid: bytes, lid: int, qp_num: int, psn: int, mtu: int, gid_index: int,
@@ -143,6 +141,9 @@ class Resources:
                               retry_cnt=retry_cnt, rnr_retry=7, max_rd_atomic=16))
 
     # ---------------------------------------------------------------- engine port: posting
+    def new_send_id(self) -> int:
+        return self.reactor.register(self._on_send, None)
+
     def drop_send_id(self, wr_id: int) -> None:
         self.reactor.unregister(wr_id)
 
@@ -193,8 +194,7 @@ class Resources:
             fut.add_done_callback(_consume_exception)
         return fut
 
-    @staticmethod
-    def when_done(waiter: Waiter, fn: Callable[[bool], None]) -> None:
+    def when_done(self, waiter: Waiter, fn: Callable[[bool], None]) -> None:
         fut = cast("asyncio.Future[Any]", waiter)  # (a waiter of new_waiter)
         fut.add_done_callback(lambda f: fn(not f.cancelled() and f.exception() is None))
 
@@ -214,16 +214,14 @@ class Resources:
         region = src.keep[1]
         return src.addr, region.rkey, src.length
 
-    @staticmethod
-    def release_source(src: Any) -> None:
+    def release_source(self, src: Any) -> None:
         if isinstance(src, Staging):
             src.release()
 
     def lease_staging(self, n: int) -> Staging:
         return self.staging_in.lease(n)
 
-    @staticmethod
-    def staging_span(staging: Staging, n: int) -> LocalSpan:
+    def staging_span(self, staging: Staging, n: int) -> LocalSpan:
         return LocalSpan(staging.mr.addr, n, staging.mr.lkey, staging)
 
     def read_wrs(self, span: LocalSpan, length: int, addr: int, rkey: int) -> list[SendWR]:

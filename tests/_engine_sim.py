@@ -8,7 +8,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from aiordma.protocol.engine import MessageEngine
+from aiordma.protocol.engine import EnginePort, MessageEngine
 from aiordma.protocol.slots import Slots
 from aiordma.verbs.enums import WCOpcode, WCStatus, WROpcode
 from aiordma.verbs.wr import SGE, WC, SendWR
@@ -46,7 +46,7 @@ class Waiter:
             cb(False)
 
 
-class Port:
+class Port(EnginePort):
     """The engine's port: records posts; ``later`` runs at ``turn()``."""
 
     def __init__(self) -> None:

@@ -11,7 +11,8 @@ import aiordma.protocol
 ALLOWED = {"__future__", "struct", "enum", "dataclasses", "errno", "typing", "aiordma.errors",
            "hashlib", "hmac", "secrets",  # (auth.py: pure computation, no I/O)
            "collections", "collections.abc", "itertools",
-           "aiordma.verbs.wr"}  # (the work request and completion records: plain data)
+           "aiordma.verbs.wr",  # (the work request and completion records: plain data)
+           "aiordma.native"}  # (mypyc_attr: how mypyc compiles a class; no I/O, no provider)
 PACKAGE = Path(aiordma.protocol.__file__).parent
 
 

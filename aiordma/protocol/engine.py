@@ -17,7 +17,7 @@ drive the engine through a recording fake of it.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 from aiordma.errors import (
     CompletionError,
@@ -26,6 +26,7 @@ from aiordma.errors import (
     RetryExceededError,
     RNRRetryExceededError,
 )
+from aiordma.native import mypyc_attr
 
 from .credits import CreditState
 from .errors import RemoteProtocolError
@@ -45,75 +46,98 @@ def unexpected(exc: BaseException) -> bool:
         exc, RetryExceededError | RNRRetryExceededError | FlushedError)
 
 
-class EnginePort(Protocol):
-    """What the engine asks of its driver. Every method runs synchronously; none may
-    call back into the engine except where noted."""
+@mypyc_attr(allow_interpreted_subclasses=True)
+class EnginePort:
+    """What the engine asks of its driver: a driver subclasses it and implements every
+    method (each raises NotImplementedError here). Every method runs synchronously;
+    none may call back into the engine except where noted. (A base class rather than a
+    Protocol: compiled, the engine's calls to a compiled driver are C calls, where a
+    call through a Protocol is a method lookup by name.)"""
 
-    #: a wr_id for a send WR, larger than every earlier one of this QP (an attribute:
-    #: the driver may bind it to its wr_id allocator, one call less per WR)
-    new_send_id: Callable[[], int]
+    #: True once the endpoint's resources are destroyed (nothing may be posted)
+    destroyed: bool = False
+
+    def new_send_id(self) -> int:
+        """A wr_id for a send WR, larger than every earlier one of this QP."""
+        raise NotImplementedError
 
     def drop_send_id(self, wr_id: int) -> None:
         """``wr_id`` will never complete (not posted, or retired by a later one)."""
+        raise NotImplementedError
 
     def post_send(self, wrs: list[Any]) -> None:
         """Post a chain of send WRs. Raises RDMAError (nothing of it was posted)."""
+        raise NotImplementedError
 
     def post_marker(self, wr_id: int) -> None:
         """Post a signaled zero-length SEND (the flush marker). Raises RDMAError."""
+        raise NotImplementedError
 
     def post_recv(self, slots: list[int]) -> None:
         """Post the receive buffers ``slots``. Raises RDMAError (none was posted)."""
+        raise NotImplementedError
 
     def posted(self) -> None:
         """Work was posted (the completion reactor may poll)."""
+        raise NotImplementedError
 
     def expedite(self) -> None:
         """A frame arrived whose sender waits for its acknowledgement (a burst)."""
+        raise NotImplementedError
 
     def later(self, fn: Callable[[], None]) -> None:
         """Call ``fn`` at the end of this loop iteration (may call into the engine)."""
+        raise NotImplementedError
 
     def new_waiter(self, *, quiet: bool = False) -> Waiter:
         """A fresh waiter (``quiet``: its failure is not reported when nobody awaits it)."""
+        raise NotImplementedError
 
     def when_done(self, waiter: Waiter, fn: Callable[[bool], None]) -> None:
         """Call ``fn(succeeded)`` once ``waiter`` is done (may call into the engine)."""
+        raise NotImplementedError
 
     def set_atomic_target(self, wr: Any, addr: int, lkey: int) -> None:
         """Point atomic ``wr``'s result at the 8 bytes at ``addr``."""
+        raise NotImplementedError
 
     def rndv_source(self, src: Any) -> tuple[int, int, int]:
         """``(addr, rkey, length)`` of a rendezvous send's registered source."""
+        raise NotImplementedError
 
     def release_source(self, src: Any) -> None:
         """A rendezvous send's source is no longer needed."""
+        raise NotImplementedError
 
     def lease_staging(self, n: int) -> Any:
         """A staging buffer of ``n`` bytes for a READ (has ``view`` and ``release()``)."""
+        raise NotImplementedError
 
     def staging_span(self, staging: Any, n: int) -> Any:
         """The local span (addr, length, lkey) of ``staging``'s first ``n`` bytes."""
+        raise NotImplementedError
 
     def read_wrs(self, span: Any, length: int, addr: int, rkey: int) -> list[Any]:
         """The RDMA READ work requests that move ``length`` bytes into ``span``."""
+        raise NotImplementedError
 
     def qp_to_error(self) -> None:
         """Move the QP to ERR (ignore a failure to)."""
-
-    #: True once the endpoint's resources are destroyed (nothing may be posted)
-    destroyed: bool
+        raise NotImplementedError
 
     def on_failed(self, exc: BaseException, unexpected: bool) -> None:
         """The connection just failed with ``exc`` (after every waiter was failed);
         ``unexpected``: a failed operation or a protocol violation (worth a warning), not
         a close, an abort or the peer gone."""
+        raise NotImplementedError
 
     def check_drained(self) -> None:
         """A completion arrived after the failure (the teardown waits for the last)."""
+        raise NotImplementedError
 
     def maybe_closed(self) -> None:
         """Work finished: a ``close()`` waiting for the pending work may proceed."""
+        raise NotImplementedError
 
 
 class MessageEngine:
