@@ -32,7 +32,7 @@ import threading
 import time
 from collections import deque
 from itertools import islice
-from typing import TYPE_CHECKING, Final, Protocol
+from typing import TYPE_CHECKING, Final
 
 from . import cma, wire
 from .sink import STAGE_SIZE, Sink, discard
@@ -45,6 +45,7 @@ _monotonic: Final = time.monotonic
 if TYPE_CHECKING:
     from .cq import SoftCompChannel
     from .engine import Engine
+    from .qpcore import QPCore
 
 DIRECT_MIN: Final = 64 * 1024
 READ_BUDGET: Final = 8 * 1024 * 1024
@@ -68,18 +69,10 @@ _HDR_UNPACK: Final = wire.HDR.unpack_from
 _HDR_SIZE: Final = wire.HDR.size
 
 
-class ConnOwner(Protocol):
-    def conn_header(self, conn: Conn, h: tuple[int, ...]) -> Sink | None: ...
-
-    def conn_batch_end(self, conn: Conn) -> None: ...
-
-    def conn_closed(self, conn: Conn) -> None: ...
-
-
 class Conn:
     """A TCP connection carrying soft-device messages (see ``wire``)."""
 
-    def __init__(self, engine: Engine, sock: socket.socket | None, owner: ConnOwner | None,
+    def __init__(self, engine: Engine, sock: socket.socket | None, owner: QPCore | None,
                  *, state: int) -> None:
         self.engine = engine
         self.sock = sock

@@ -149,14 +149,18 @@ class QPCore(QP):
         self._ack_pending = -1
         self._conn_wait = False  # requests wait for the peer's connection (requester)
 
-    # --- connection owner (qp.SoftQP) ----------------------------------------------------
+    # --- connection owner (qp.SoftQP; a Conn calls them with the device lock held) -------
     def conn_header(self, conn: Conn, h: tuple[int, ...]) -> Sink | None:
+        """``conn`` parsed the header ``h`` (an unpacked ``wire.HDR``): where its payload
+        goes (None: it has none, or the connection was failed)."""
         raise NotImplementedError
 
     def conn_batch_end(self, conn: Conn) -> None:
+        """``conn`` parsed what one read brought (the coalesced ACK's moment)."""
         raise NotImplementedError
 
     def conn_closed(self, conn: Conn) -> None:
+        """``conn`` is closed (after it left the owner's connections)."""
         raise NotImplementedError
 
     # --- connections -------------------------------------------------------------------
