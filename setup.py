@@ -73,6 +73,12 @@ left_out: dict[str, str] = {}
 HEADERS: dict[str, tuple[str, ...]] = {}
 
 
+def _first_line(exc: BaseException) -> str:
+    """The first line of ``exc``'s message (its type's name when it has none)."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 def _note(module: str, why: str) -> None:
     left_out[module] = why
     if module == MYPYC_GROUP:
@@ -121,7 +127,7 @@ class BuildExt(build_ext):
             try:
                 self.compiler.compile([src], output_dir=tmp)
             except Exception as exc:  # CompileError, a missing compiler (spawn errors)
-                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                first = _first_line(exc)
                 if headers:
                     return (f"{', '.join(headers)} does not compile or is missing ({first}; "
                             "Debian: apt install gcc libibverbs-dev)")
@@ -168,8 +174,7 @@ class BuildExt(build_ext):
             for path in built:
                 if os.path.exists(path):
                     os.unlink(path)
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            _note(MYPYC_GROUP, f"compiling mypyc's C failed: {first}")
+            _note(MYPYC_GROUP, f"compiling mypyc's C failed: {_first_line(exc)}")
             return
         left_out[MYPYC_GROUP] = ""
 
@@ -196,8 +201,8 @@ class BuildExt(build_ext):
 
 
 def ext_modules() -> list[Any]:
-    """The Cython extensions to build (``BuildExt.run`` adds mypyc's group: translating
-    the modules takes a while, and only a build needs it)."""
+    """The Cython extensions to build (``BuildExt.finalize_options`` adds mypyc's group:
+    translating the modules takes a while, and only a build needs it)."""
     return _cython_ext_modules()
 
 

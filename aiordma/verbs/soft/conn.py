@@ -170,15 +170,10 @@ class Conn:
         n = self._write(bufs)
         if n < 0:
             return
-        for i, b in enumerate(bufs):
-            size = len(b)
-            if n >= size:
-                n -= size
-                continue
-            out.append(memoryview(b)[n:] if n else b)
-            out.extend(bufs[i + 1:])
+        if n < sum(len(b) for b in bufs):  # the kernel took part: queue the rest
+            out.extend(bufs)
+            self._drop_sent(n)
             self._need_write()
-            return
 
     def _write(self, bufs: list[bytes | memoryview]) -> int:
         """One ``sendmsg`` of ``bufs``: bytes taken (0 when the kernel takes none now),
@@ -213,17 +208,22 @@ class Conn:
                 if n == 0:
                     break
                 return
-            while n:
-                first = out[0]
-                size = len(first)
-                if n >= size:
-                    out.popleft()
-                    n -= size
-                else:
-                    out[0] = memoryview(first)[n:]
-                    n = 0
+            self._drop_sent(n)
         if out:
             self._need_write()
+
+    def _drop_sent(self, n: int) -> None:
+        """Remove the first ``n`` bytes, which the kernel took, from the output queue."""
+        out = self.out
+        while n:
+            first = out[0]
+            size = len(first)
+            if n >= size:
+                out.popleft()
+                n -= size
+            else:
+                out[0] = memoryview(first)[n:]
+                n = 0
 
     def _need_write(self) -> None:
         if self.want_write:
