@@ -151,15 +151,19 @@ RXE_BOTH = -k "not tcp"
 # (distributed's check_client_server on rdma://, 21 connections at once, takes 4-5 min
 # in the emulated guest, twice: the fast tier runs it; the rest of the Dask tests run here)
 RXE_UVLOOP = -k "not tcp and not client_server and (uvloop or not asyncio)"
+# the guests run the mypyc modules compiled: the host builds them for the guest's Python
+# (tests/rxe/guest_mypyc.py, with the venv's mypy), and a failure fails the run
+export AIORDMA_GUEST_MYPYC ?= 1
+export AIORDMA_RXE_HOST_PYTHON ?= $(abspath $(PY))
 
-test-rxe:
+test-rxe: setup
 	bash tests/rxe/run-vm.sh -- bash -c '$(RXE_PYTEST) $(RXE_BOTH) $(RXE_TESTS) \
 		&& $(RXE_PYTEST) $(RXE_UVLOOP) $(RXE_TESTS_ONE_LOOP)'
 
-test-rxe-all:
+test-rxe-all: setup
 	bash tests/rxe/run-vm.sh -- $(RXE_PYTEST) $(RXE_BOTH) $(RXE_TESTS) $(RXE_TESTS_ONE_LOOP)
 
-test-rxe-bookworm:
+test-rxe-bookworm: setup
 	AIORDMA_RXE_SUITE=bookworm bash tests/rxe/run-vm.sh -- $(RXE_PYTEST) $(RXE_BOTH) \
 		$(RXE_TESTS) $(RXE_TESTS_ONE_LOOP)
 
@@ -170,7 +174,7 @@ test-rxe-bookworm:
 RXE_COMPAT_TESTS = tests/test_verbs_provider.py tests/test_ibverbs_compat.py \
 	tests/test_endpoint.py tests/test_multiprocess.py tests/test_ibverbs_fastpath.py \
 	tests/test_native.py
-test-rxe-compat:
+test-rxe-compat: setup
 	AIORDMA_RXE_SUITE=bookworm bash tests/rxe/run-vm.sh -- $(RXE_PYTEST) $(RXE_UVLOOP) \
 		$(RXE_COMPAT_TESTS)
 
@@ -180,7 +184,7 @@ test-rxe-compat:
 ## killed with operations pending, an unreachable peer GID, bulk-transfer figures. Not
 ## in `make test` (CI time): 3 to 5 minutes on a 2-core host (both guests boot at once,
 ## about 45 s; the tests 2 to 4 minutes).
-test-rxe-two:
+test-rxe-two: setup
 	bash tests/rxe/run-two-vms.sh
 
 ## Benchmarks (docs/benchmarks.md): aiordma on the soft provider side by side with

@@ -545,6 +545,38 @@ native_cache_keep() {
     done < <(ls -1dt "$(dirname "$NATIVE_DIR")"/native-* 2>/dev/null)
 }
 
+# ---- the mypyc modules, built on the host for the guest ----------------------------------
+# guest_mypyc.py builds aiordma.native.MODULES for the image's Python with the host's mypy
+# and C compiler against the guest's Python headers (mypyc under TCG would take longer
+# than the tests), kept in $CACHE_ROOT/SUITE/mypyc per guest Python and sources;
+# guest-build.sh installs it. AIORDMA_GUEST_MYPYC: auto (the default: when the host's
+# Python has mypy), 1 (required: the run fails without it; make test-rxe), 0 (never: the
+# guest runs the mypyc modules as sources). AIORDMA_RXE_HOST_PYTHON: the Python with mypy
+# (default: the repository's .venv, else python3).
+mypyc_offer() {
+    local mode=${AIORDMA_GUEST_MYPYC:-auto} py=${AIORDMA_RXE_HOST_PYTHON:-}
+    case "$mode" in auto|0|1) ;; *) die $EX_USAGE "AIORDMA_GUEST_MYPYC=$mode: use auto, 0 or 1" ;; esac
+    [ "${AIORDMA_GUEST_BUILD:-1}" != 0 ] && [ "$mode" != 0 ] || return 0
+    if [ -z "$py" ]; then
+        py="$REPO/.venv/bin/python"
+        [ -x "$py" ] || py=python3
+    fi
+    if ! "$py" -c 'import mypyc' 2>/dev/null; then
+        [ "$mode" = 1 ] && die $EX_UNAVAILABLE "AIORDMA_GUEST_MYPYC=1: $py has no mypy (mypyc) to build the guest's mypyc modules with"
+        log "no mypy (mypyc) for $py: the guest runs the mypyc modules as sources"
+        return 0
+    fi
+    ensure_tools debugfs:e2fsprogs cc:gcc
+    local t0=$SECONDS
+    if "$py" "$HERE/guest_mypyc.py" "$IMG_DIR/root.img" "$(dirname "$IMG_DIR")/mypyc" "$1/mypyc.tar"; then
+        log "the guest's mypyc modules are ready ($((SECONDS - t0)) s)"
+        return 0
+    fi
+    rm -f "$1/mypyc.tar"
+    [ "$mode" = 1 ] && die $EX_SOFTWARE "building the guest's mypyc modules on the host failed (above)"
+    log "building the guest's mypyc modules failed (above): the guest runs them as sources"
+}
+
 run_vm() {
     ensure_tools qemu-system-x86_64:qemu-system-x86 qemu-img:qemu-utils timeout:coreutils flock:util-linux
     RUN_DIR=$(mktemp -d "${TMPDIR:-/tmp}/aiordma-rxe.XXXXXX")
@@ -565,6 +597,7 @@ run_vm() {
     } > "$ctl/env.sh"
     { echo '# the command given to run-vm.sh'; printf 'exec'; printf ' %q' "${CMD[@]}"; echo; } > "$ctl/cmd.sh"
     native_cache_offer "$ctl"
+    mypyc_offer "$ctl"
 
     touch "$IMG_DIR" 2>/dev/null || true     # "last used", for gc_images
 
