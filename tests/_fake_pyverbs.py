@@ -40,8 +40,8 @@ def _pwc(**kw: Any) -> types.SimpleNamespace:
 
 class FakeVerbsABI:
     """The C structs the provider's ctypes and compiled data paths touch, in real memory:
-    a ``struct ibv_context`` whose ``ops.poll_cq``, ``ops.post_send`` and
-    ``ops.post_recv`` are C callbacks, and ``struct ibv_cq``/``ibv_qp`` that point to it
+    a ``struct ibv_context`` whose ``ops.poll_cq``, ``ops.req_notify_cq`` (``arms``),
+    ``ops.post_send`` and ``ops.post_recv`` are C callbacks, and ``struct ibv_cq``/``ibv_qp`` that point to it
     (``new_cq``, ``new_qp``). ``poll_cq`` serves the completions queued on the fake
     pyverbs CQ of a CQ struct; the posts decode the chains they are given (``sends``,
     ``recvs``: one list of WR dicts per call) and fail at WR ``fail_at`` of a chain with
@@ -67,7 +67,11 @@ class FakeVerbsABI:
         self.modifies: list[dict[str, Any]] = []  # what ibv_modify_qp was given
         self.modify_errno = 0  # what it returns
         self.qp_objects: dict[int, Any] = {}  # struct ibv_qp * -> fake pyverbs QP
+        self.arms: list[tuple[int, int]] = []  # ibv_req_notify_cq's (cq, solicited_only)
+        self.arm_errno = 0  # what it returns
+        self._arm_cb = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_int)(self._arm)
         for off, cb in ((compat.CTX_OPS_POLL_CQ_OFFSET, self._poll_cb),
+                        (compat.CTX_OPS_REQ_NOTIFY_CQ_OFFSET, self._arm_cb),
                         (compat.CTX_OPS_POST_SEND_OFFSET, self._send_cb),
                         (compat.CTX_OPS_POST_RECV_OFFSET, self._recv_cb)):
             struct.pack_into("=Q", self.ctx, off, ctypes.cast(cb, ctypes.c_void_p).value)
@@ -127,6 +131,10 @@ class FakeVerbsABI:
             return self.modify_errno
         self.qp_objects[qp].state = d["qp_state"]
         return 0
+
+    def _arm(self, cq: int, solicited_only: int) -> int:
+        self.arms.append((cq, solicited_only))
+        return self.arm_errno
 
     def _poll(self, cq: int, n: int, wc: int) -> int:
         self.calls.append((cq, n))

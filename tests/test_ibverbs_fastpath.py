@@ -10,6 +10,7 @@ it cannot: ``AIORDMA_EXPECT_BUILD``).
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 import socket
@@ -19,10 +20,10 @@ from typing import Any
 import pytest
 from _fake_pyverbs import V4GID, FakeVerbsABI, _qp_setup, _to_rts, install_abi, install_fake
 
-from aiordma.errors import PostError
+from aiordma.errors import PostError, RDMAError
 from aiordma.verbs import SGE, QPCap, RecvWR, SendFlags, SendWR, WCOpcode, WROpcode
 from aiordma.verbs.contract import InvalidWorkRequest
-from aiordma.verbs.ibverbs import compat, loader
+from aiordma.verbs.ibverbs import clib, compat, loader
 
 fastpath = loader.fastpath()
 pytestmark = pytest.mark.skipif(
@@ -54,6 +55,7 @@ def test_the_abi_the_ctypes_code_and_the_fakes_assume_is_the_headers() -> None:
     assert fastpath is not None
     a = fastpath.abi()
     assert a["ibv_context.ops.poll_cq"] == compat.CTX_OPS_POLL_CQ_OFFSET
+    assert a["ibv_context.ops.req_notify_cq"] == compat.CTX_OPS_REQ_NOTIFY_CQ_OFFSET
     assert a["ibv_context.ops.post_send"] == compat.CTX_OPS_POST_SEND_OFFSET
     assert a["ibv_context.ops.post_recv"] == compat.CTX_OPS_POST_RECV_OFFSET
     assert a["ibv_context.cmd_fd"] == compat.CTX_CMD_FD_OFFSET
@@ -215,6 +217,100 @@ def test_pyverbs_posts_where_asked(abi: FakeVerbsABI, fake: Any,
     assert abi.sends == [] and len(qp._qp.sends) == 1
 
 
+def test_arming_a_cq_is_one_c_call(abi: FakeVerbsABI, fake: Any) -> None:
+    """``req_notify`` of a compiled CQ is ``ibv_req_notify_cq`` through the context's ops
+    (pyverbs' CQ is never asked); the device's errno is raised; a closed CQ refuses."""
+    cq = _qp_setup(fake)[3]
+    assert cq.data_path == "compiled"
+    cq.req_notify()
+    cq.req_notify(solicited_only=True)
+    assert abi.arms == [(cq._cq_ptr, 0), (cq._cq_ptr, 1)] and cq._cq.armed == 0
+    abi.arm_errno = errno.EINVAL
+    with pytest.raises(RDMAError) as ei:
+        cq.req_notify()
+    assert ei.value.errno == errno.EINVAL
+    abi.arm_errno = 0
+    cq._poller.close()  # (as IbvCQ.close does once its struct is gone)
+    with pytest.raises(RDMAError) as ei:
+        cq.req_notify()
+    assert ei.value.errno == errno.EBADF and len(abi.arms) == 3
+
+
+class _CLibEvents:
+    """C functions standing in for libibverbs' ``ibv_get_cq_event``/``ibv_ack_cq_events``
+    (ctypes callbacks, addressable as a CDLL's functions are): ``events`` are served in
+    order, then ``errno`` ``fail``."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[int, int]] = []
+        self.acked: list[tuple[int, int]] = []
+        self.fail = errno.EAGAIN
+        self.channels: list[int] = []
+        get_t = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                                 ctypes.c_void_p, use_errno=True)
+        ack_t = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_uint)
+        self.ibv_get_cq_event = get_t(self._get)
+        self.ibv_ack_cq_events = ack_t(self._ack)
+
+    def _get(self, channel: int, cq_out: int, ctx_out: int) -> int:
+        self.channels.append(channel)
+        if not self.events:
+            ctypes.set_errno(self.fail)
+            return -1
+        cq, ctx = self.events.pop(0)
+        ctypes.c_void_p.from_address(cq_out).value = cq
+        ctypes.c_void_p.from_address(ctx_out).value = ctx
+        return 0
+
+    def _ack(self, cq: int, n: int) -> None:
+        self.acked.append((cq, n))
+
+
+def test_channel_events_are_read_and_acked_in_c() -> None:
+    assert fastpath is not None
+    lib = _CLibEvents()
+    get_fn = clib.function_address(lib, "ibv_get_cq_event")
+    ack_fn = clib.function_address(lib, "ibv_ack_cq_events")
+    assert get_fn and ack_fn
+    r = fastpath.ChannelEvents(0x500, get_fn, ack_fn)
+    lib.events = [(0x1000, 0xAA), (0x2000, 0xBB)]
+    assert r.get() == (0x1000, 0xAA) and r.get() == (0x2000, 0xBB) and r.get() is None
+    assert lib.channels == [0x500] * 3
+    r.ack(0x1000, 2)
+    assert lib.acked == [(0x1000, 2)]
+    lib.fail = errno.EBADF
+    with pytest.raises(OSError) as ei:
+        r.get()
+    assert ei.value.errno == errno.EBADF and "EBADF" in str(ei.value)
+    with pytest.raises(ValueError):
+        fastpath.ChannelEvents(0, get_fn, ack_fn)
+    with pytest.raises(ValueError):
+        r.ack(0, 1)
+
+
+def test_a_channel_reads_its_events_in_c(monkeypatch: pytest.MonkeyPatch, fake: Any) -> None:
+    """With libibverbs' functions addressable, a located channel reads through
+    ``fastpath.ChannelEvents`` (``AIORDMA_VERBS_POLL=ctypes``: through ctypes), and its
+    CQs' events are acknowledged there."""
+    from aiordma.verbs.ibverbs import channel as ibv_channel
+
+    lib = _CLibEvents()
+    monkeypatch.setattr(clib, "libibverbs", lambda: lib)
+    orig_locate = ibv_channel.IbvCompChannel._locate
+    monkeypatch.setattr(ibv_channel.IbvCompChannel, "_locate",
+                        lambda self, before: (orig_locate(self, before)[0], 0x7000))
+    ctx = _qp_setup(fake)[0]
+    ch = ctx.create_comp_channel()
+    assert isinstance(ch._reader, fastpath.ChannelEvents)
+    cq = ctx.create_cq(8, ch)
+    lib.events = [(0x100, id(cq._token))]
+    assert ch.get_event() is cq and ch.get_event() is None
+    cq.ack_events(1)
+    assert lib.acked == [(0x100, 1)] and lib.channels == [0x7000] * 2
+    monkeypatch.setenv("AIORDMA_VERBS_POLL", "ctypes")
+    assert isinstance(ctx.create_comp_channel()._reader, clib.ChannelReader)
+
+
 def test_no_struct_found_means_pyverbs(fake: Any) -> None:
     """The pointer probe finds nothing (here: no context struct): pyverbs posts."""
     qp = _qp_setup(fake)[-1]
@@ -239,6 +335,11 @@ def test_a_device_s_objects_use_the_compiled_path(provider_name: str) -> None:
         assert (qp.data_path, scq.data_path, rcq.data_path) == ("compiled",) * 3, (
             qp, scq, rcq)
         assert qp._fast.qp_ptr != 0
+        # the wake-up path too: events read and acknowledged, the CQ armed, in C
+        assert isinstance(rcq.channel._reader, fastpath.ChannelEvents), rcq.channel._reader
+        assert rcq._arm is not None
+        rcq.req_notify()
+        assert rcq.channel.get_event() is None  # nothing completed: no event
         qp.close()
         for obj in (scq, rcq, rcq.channel, pd):
             obj.close()

@@ -64,6 +64,9 @@ yield the element (QP number, CQ, port) that pyverbs' ``AsyncEvent`` drops. EAGA
 ``use_errno``) means "no event". Async events are acknowledged as soon as they are read;
 a CQ refuses to close while channel events it got are unacknowledged. (The kernel counts
 an event as reported only when it is read, so unread events never make a destroy wait.)
+(Where the compiled data path below is built, the channel's events are read and
+acknowledged by ``fastpath.ChannelEvents`` instead, which calls the same two functions
+of the process's libibverbs through their addresses: a C call each, not a ctypes call.)
 If the channel struct cannot be located, pyverbs' ``get_cq_event(expected_cq)`` is used
 on the non-blocking fd, EAGAIN being ``PyverbsRDMAError.error_code``; that call needs the
 CQ in advance, so such a channel serves a single CQ.
@@ -76,7 +79,8 @@ whose fields are set one property at a time) per post, a ``WC`` object per compl
 is built (``aiordma.native.EXTENSIONS``; it needs rdma-core's headers at build time),
 work requests are written into preallocated C arrays of ``struct ibv_send_wr``/
 ``ibv_recv_wr``, chained and posted with one ``ibv_post_send``/``ibv_post_recv``, and
-``ibv_poll_cq`` writes completions into a C array of ``struct ibv_wc``. These three are
+``ibv_poll_cq`` writes completions into a C array of ``struct ibv_wc``; a CQ is armed
+with ``ibv_req_notify_cq``. These four are
 static inline functions of verbs.h that call ``qp->context->ops`` /
 ``cq->context->ops`` (the stable ABI), so the extension links nothing of libibverbs and
 runs on the ``struct ibv_qp *``/``struct ibv_cq *`` of the objects pyverbs created;

@@ -3,24 +3,43 @@
 from __future__ import annotations
 
 import errno
+import os
 from typing import TYPE_CHECKING, Any
 
 from ...errors import DeviceError, RDMAError
 from ..api import CompChannel
-from . import clib, compat, probe
+from . import clib, compat, loader, probe
 
 if TYPE_CHECKING:
     from .context import IbvContext
     from .cq import IbvCQ
+    from .fastpath import ChannelEvents
+
+
+def _reader(channel_ptr: int) -> ChannelEvents | clib.ChannelReader | None:
+    """What reads and acknowledges the events of the ``struct ibv_comp_channel`` at
+    ``channel_ptr`` (see ``IbvCompChannel``); None without libibverbs."""
+    lib = clib.libibverbs()
+    if lib is None:
+        return None
+    fp = loader.fastpath() if os.environ.get("AIORDMA_VERBS_POLL", "") != "ctypes" else None
+    if fp is not None:
+        get_fn = clib.function_address(lib, "ibv_get_cq_event")
+        ack_fn = clib.function_address(lib, "ibv_ack_cq_events")
+        if get_fn and ack_fn:
+            return fp.ChannelEvents(channel_ptr, get_fn, ack_fn)
+    return clib.ChannelReader(lib, channel_ptr)
 
 
 class IbvCompChannel(CompChannel):
     """A completion channel.
 
-    Events are read with ``ibv_get_cq_event`` through ctypes (``clib.ChannelReader``) on
-    the channel's C struct, so any number of CQs may share the channel. Only if that
-    struct cannot be located is pyverbs' ``get_cq_event(expected_cq)`` used, which needs
-    the CQ in advance: the channel then serves one CQ.
+    Events are read with ``ibv_get_cq_event`` on the channel's C struct, so any number of
+    CQs may share the channel: through the compiled ``fastpath.ChannelEvents`` where it
+    is built, else through ctypes (``clib.ChannelReader``; ``AIORDMA_VERBS_POLL=ctypes``
+    chooses it). Only if that struct cannot be located is pyverbs'
+    ``get_cq_event(expected_cq)`` used, which needs the CQ in advance: the channel then
+    serves one CQ.
     """
 
     def __init__(self, ctx: IbvContext) -> None:
@@ -38,8 +57,7 @@ class IbvCompChannel(CompChannel):
         except BaseException:
             self._cc.close()
             raise
-        lib = clib.libibverbs() if ptr else None
-        self._reader = clib.ChannelReader(lib, ptr) if lib is not None and ptr else None
+        self._reader = _reader(ptr) if ptr else None
         self.fd = fd
         self._cqs: dict[int, IbvCQ] = {}  # id(cq token) -> CQ
         self._closed = False

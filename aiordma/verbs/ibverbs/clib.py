@@ -73,17 +73,22 @@ def libibverbs() -> Any:
     return _lib
 
 
+def function_address(lib: Any, name: str) -> int:
+    """The address of ``lib``'s C function ``name`` (0 when ``lib`` is None, lacks it, or
+    it is not a C function), for the compiled path's calls through function pointers."""
+    if lib is None:
+        return 0
+    try:
+        return ctypes.cast(getattr(lib, name), ctypes.c_void_p).value or 0
+    except (AttributeError, TypeError, ctypes.ArgumentError):
+        return 0
+
+
 def modify_qp_address() -> int:
     """The address of the process's ``ibv_modify_qp`` (0 when libibverbs is not loaded),
     for the compiled RTR transition (``fastpath.QPPoster.modify_rtr``), which calls it
     with the GIL released."""
-    lib = libibverbs()
-    if lib is None:
-        return 0
-    try:
-        return ctypes.cast(lib.ibv_modify_qp, ctypes.c_void_p).value or 0
-    except AttributeError:  # pragma: no cover - every libibverbs has it
-        return 0
+    return function_address(libibverbs(), "ibv_modify_qp")
 
 
 def element_port(element: int | None) -> int:

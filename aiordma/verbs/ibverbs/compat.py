@@ -82,6 +82,8 @@ CQ_PROBE_SIZE = CQ_CQ_CONTEXT_OFFSET + 8
 #: ``_compat_query_device`` .. ``dealloc_mw`` and ``_compat_create_cq``), which is what
 #: the inline ``ibv_poll_cq`` of verbs.h calls.
 CTX_OPS_POLL_CQ_OFFSET = 8 + 11 * 8
+#: ``ctx->ops.req_notify_cq``: the one after it (what the inline ``ibv_req_notify_cq`` calls).
+CTX_OPS_REQ_NOTIFY_CQ_OFFSET = CTX_OPS_POLL_CQ_OFFSET + 8
 #: ``ctx->ops.post_send``/``post_recv``: the 26th and 27th (what ibv_post_send/recv call).
 CTX_OPS_POST_SEND_OFFSET = 8 + 25 * 8
 CTX_OPS_POST_RECV_OFFSET = 8 + 26 * 8

@@ -6,7 +6,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from ...errors import CQOverrunError, RDMAError
@@ -60,6 +60,8 @@ class IbvCQ(CQ):
         # first channel event
         self._cq_ptr = 0
         self._poller: clib.CQPoller | CQPoller | None = None
+        # the compiled ibv_req_notify_cq (fastpath.CQPoller.req_notify), where polled so
+        self._arm: Callable[[int], int] | None = None
         self._locate(ctx)
         self._qps: dict[IbvQP, int] = {}
         self._events_got = 0
@@ -91,7 +93,8 @@ class IbvCQ(CQ):
         self._cq_ptr = ptr
         fp = loader.fastpath() if mode != "ctypes" else None
         if fp is not None:
-            self._poller = fp.CQPoller(ptr, _POLL_ENTRIES)
+            poller = self._poller = fp.CQPoller(ptr, _POLL_ENTRIES)
+            self._arm = poller.req_notify
             return
         try:
             self._poller = clib.CQPoller(ctx._ctx_ptr, ptr, _POLL_ENTRIES)
@@ -160,6 +163,12 @@ class IbvCQ(CQ):
         return out
 
     def req_notify(self, solicited_only: bool = False) -> None:
+        arm = self._arm
+        if arm is not None:  # (closed: EBADF)
+            rc = arm(1 if solicited_only else 0)
+            if rc:
+                raise RDMAError(rc, f"ibv_req_notify_cq: {os.strerror(rc)}")
+            return
         try:
             self._cq.req_notify(1 if solicited_only else 0)
         except self._pv.Error as exc:

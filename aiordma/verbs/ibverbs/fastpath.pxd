@@ -5,11 +5,14 @@
 #
 # A caller fills the WRs of poster.send_array(n) (the SGE slots of WR i are at
 # wrs[i].sg_list, poster.send_stride of them) and posts them as one chain with
-# post_send_array(n, &posted); it polls into poller.wcs with poll_array(n). No Python
-# object is involved per message; the GIL is not needed by the *_array calls.
+# post_send_array(n, &posted); it polls into poller.wcs with poll_array(n) and arms the
+# CQ with arm(solicited_only). No Python object is involved per message; the GIL is not
+# needed by the *_array calls or arm.
 
 from aiordma.verbs.ibverbs.libibverbs cimport (
+    ibv_ack_cq_events_fn,
     ibv_cq,
+    ibv_get_cq_event_fn,
     ibv_qp,
     ibv_recv_wr,
     ibv_send_wr,
@@ -45,3 +48,10 @@ cdef class CQPoller:
     cdef readonly int entries
 
     cdef int poll_array(self, int n) noexcept nogil
+    cdef int arm(self, int solicited_only) noexcept nogil
+
+
+cdef class ChannelEvents:
+    cdef void *channel
+    cdef ibv_get_cq_event_fn get_fn
+    cdef ibv_ack_cq_events_fn ack_fn

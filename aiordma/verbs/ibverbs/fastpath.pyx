@@ -10,16 +10,20 @@ path"). The verbs facts this relies on are in ``libibverbs.pxd``.
 
 Python-level API, what ``IbvQP``/``IbvCQ`` call: ``QPPoster.post_send(wrs, ops)``,
 ``QPPoster.post_recv(wrs)`` (each ``(errno, number posted)``), ``CQPoller.poll(n)``
-(``(count, RawWC tuples)``, as ``clib.CQPoller``). The C-level API, for compiled callers
+(``(count, RawWC tuples)``, as ``clib.CQPoller``), ``CQPoller.req_notify(solicited)``
+(``ibv_req_notify_cq``: 0 or an errno value), ``ChannelEvents`` (a channel's events read
+and acknowledged, as ``clib.ChannelReader``). The C-level API, for compiled callers
 that post and poll without a Python object per message, is declared in fastpath.pxd.
 The caller checks the work requests (``verbs/contract.py``) and accounts for the queues;
 this module only refuses what would overrun its own arrays.
 """
 
-from libc.errno cimport EBADF, EINVAL
+from libc.errno cimport EAGAIN, EBADF, EINTR, EINVAL, errno
 from libc.stdint cimport uint32_t, uintptr_t
 from libc.stdlib cimport calloc, free, realloc
 from libc.string cimport memcpy, memset
+
+import errno as _errno
 
 from aiordma.verbs.ibverbs.libibverbs cimport (
     IBV_QP_AV,
@@ -36,8 +40,10 @@ from aiordma.verbs.ibverbs.libibverbs cimport (
     IBV_WR_RDMA_WRITE,
     IBV_WR_RDMA_WRITE_WITH_IMM,
     IBV_WR_SEND_WITH_IMM,
+    ibv_ack_cq_events_fn,
     ibv_context,
     ibv_cq,
+    ibv_get_cq_event_fn,
     ibv_modify_qp_fn,
     ibv_poll_cq,
     ibv_post_recv,
@@ -45,6 +51,7 @@ from aiordma.verbs.ibverbs.libibverbs cimport (
     ibv_qp,
     ibv_qp_attr,
     ibv_recv_wr,
+    ibv_req_notify_cq,
     ibv_send_wr,
     ibv_sge,
     ibv_wc,
@@ -53,6 +60,10 @@ from aiordma.verbs.ibverbs.libibverbs cimport (
 
 cdef extern from "<arpa/inet.h>" nogil:
     uint32_t htonl(uint32_t)
+
+
+cdef extern from "<errno.h>" nogil:
+    int EWOULDBLOCK  # (libc.errno has no EWOULDBLOCK; EAGAIN on Linux)
 
 
 _M32 = 0xFFFFFFFF
@@ -380,6 +391,17 @@ cdef class CQPoller:
             n = self.entries
         return ibv_poll_cq(self.cq, n, self.wcs)
 
+    cdef int arm(self, int solicited_only) noexcept nogil:
+        """``ibv_req_notify_cq``: the next completion queues one event on the CQ's
+        channel; 0, or an errno value (EBADF once closed)."""
+        if self.cq == NULL:
+            return EBADF
+        return ibv_req_notify_cq(self.cq, solicited_only)
+
+    def req_notify(self, int solicited_only=0):
+        """``arm`` from Python: 0, or an errno value."""
+        return self.arm(solicited_only)
+
     def poll(self, int n):
         """Up to ``n`` completions: ``(count, list of RawWC tuples)`` (``compat.RawWC``:
         wr_id, status, opcode, vendor_err, byte_len, imm_data as on the wire, qp_num,
@@ -400,6 +422,53 @@ cdef class CQPoller:
         return f"<CQPoller cq={<uintptr_t>self.cq:#x} entries={self.entries}>"
 
 
+cdef class ChannelEvents:
+    """The events of one completion channel (``struct ibv_comp_channel *`` as an int),
+    read and acknowledged through the process's ``ibv_get_cq_event`` and
+    ``ibv_ack_cq_events`` (their addresses, from ``clib.libibverbs``): what
+    ``clib.ChannelReader`` does through ctypes, with the same methods, at the cost of a C
+    call. The caller keeps the channel alive while it uses this object, and reads from
+    one thread at a time."""
+
+    def __cinit__(self, uintptr_t channel_ptr, uintptr_t get_fn, uintptr_t ack_fn):
+        if channel_ptr == 0 or get_fn == 0 or ack_fn == 0:
+            raise ValueError("NULL channel or function")
+        self.channel = <void *>channel_ptr
+        self.get_fn = <ibv_get_cq_event_fn>get_fn
+        self.ack_fn = <ibv_ack_cq_events_fn>ack_fn
+
+    def get(self):
+        """``(struct ibv_cq *, cq_context)`` of the next event; None when none is queued
+        (the channel's fd is non-blocking). Raises OSError for a failure other than
+        EAGAIN (EINTR is retried)."""
+        cdef ibv_cq *cq = NULL
+        cdef void *ctx = NULL
+        cdef int rc, err
+        while True:
+            rc = self.get_fn(self.channel, &cq, &ctx)
+            if rc == 0:
+                return <uintptr_t>cq, <uintptr_t>ctx
+            err = errno
+            if err == EINTR:
+                continue
+            if err == EAGAIN or err == EWOULDBLOCK:
+                return None
+            raise OSError(err, f"ibv_get_cq_event: {_errno_name(err)}")
+
+    def ack(self, uintptr_t cq_ptr, unsigned int n):
+        """``ibv_ack_cq_events(cq, n)``."""
+        if cq_ptr == 0:
+            raise ValueError("NULL struct ibv_cq *")
+        self.ack_fn(<ibv_cq *>cq_ptr, n)
+
+    def __repr__(self):
+        return f"<ChannelEvents channel={<uintptr_t>self.channel:#x}>"
+
+
+def _errno_name(int err):
+    return _errno.errorcode.get(err, str(err))
+
+
 def abi():
     """Sizes and offsets of the structs this module was compiled against (verbs.h):
     ``{"struct.member": offset, "sizeof struct": size}``, for the ctypes code and the
@@ -414,6 +483,7 @@ def abi():
     out = {}
     b = <char *>&c
     out["ibv_context.ops.poll_cq"] = <char *>&c.ops.poll_cq - b
+    out["ibv_context.ops.req_notify_cq"] = <char *>&c.ops.req_notify_cq - b
     out["ibv_context.ops.post_send"] = <char *>&c.ops.post_send - b
     out["ibv_context.ops.post_recv"] = <char *>&c.ops.post_recv - b
     out["ibv_context.cmd_fd"] = <char *>&c.cmd_fd - b

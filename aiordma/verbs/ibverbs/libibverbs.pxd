@@ -14,6 +14,14 @@
 # * ibv_poll_cq returns the number of completions written (0: none), negative on error
 #   (the CQ is then in error, e.g. overrun). It never blocks.
 # * A CQ or QP is polled / posted by one thread at a time (the caller's rule).
+# * ibv_req_notify_cq is static inline too (cq->context->ops.req_notify_cq, the member
+#   after poll_cq): it arms the CQ for one event on its channel; 0 or an errno value.
+# * ibv_get_cq_event / ibv_ack_cq_events are libibverbs symbols (a read(2) of the
+#   channel's fd, and the CQ's acknowledged-events count under its mutex), reached
+#   through function pointers found in the process's libibverbs (clib.libibverbs), as
+#   ibv_modify_qp below. ibv_get_cq_event returns 0, or -1 with errno set (EAGAIN: none
+#   queued on a non-blocking fd); every event read must be acknowledged before
+#   ibv_destroy_cq.
 
 from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t
 
@@ -31,6 +39,7 @@ cdef extern from "<infiniband/verbs.h>" nogil:
     # (function pointers, declared as void * for their offsets only)
     cdef struct ibv_context_ops:
         void *poll_cq
+        void *req_notify_cq
         void *post_send
         void *post_recv
 
@@ -145,7 +154,13 @@ cdef extern from "<infiniband/verbs.h>" nogil:
     int ibv_post_send(ibv_qp *qp, ibv_send_wr *wr, ibv_send_wr **bad_wr)
     int ibv_post_recv(ibv_qp *qp, ibv_recv_wr *wr, ibv_recv_wr **bad_wr)
     int ibv_poll_cq(ibv_cq *cq, int num_entries, ibv_wc *wc)
+    int ibv_req_notify_cq(ibv_cq *cq, int solicited_only)
 
 
 # ibv_modify_qp's type (a function pointer: see the INIT -> RTR note above)
 ctypedef int (*ibv_modify_qp_fn)(ibv_qp *qp, ibv_qp_attr *attr, int attr_mask) noexcept nogil
+
+# ibv_get_cq_event's and ibv_ack_cq_events' types (function pointers: see above); the
+# channel is a struct ibv_comp_channel *, opaque here
+ctypedef int (*ibv_get_cq_event_fn)(void *channel, ibv_cq **cq, void **cq_context) noexcept nogil
+ctypedef void (*ibv_ack_cq_events_fn)(ibv_cq *cq, unsigned int nevents) noexcept nogil
