@@ -35,7 +35,8 @@ import sys
 import tarfile
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from types import ModuleType
+from typing import Any, NoReturn
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 #: kept builds per cache directory
@@ -47,7 +48,7 @@ LDFLAGS = ["-pthread", "-shared"]
 ARCH = "x86_64-linux-gnu"
 
 
-def die(msg: str) -> None:
+def die(msg: str) -> NoReturn:
     print(f"guest_mypyc: {msg}", file=sys.stderr)
     raise SystemExit(1)
 
@@ -66,7 +67,6 @@ def guest_python(img: str) -> tuple[int, int]:
     m = re.search(r'Fast link dest: "python3\.(\d+)"', out)
     if not m:
         die(f"{img}: /usr/bin/python3 is not a link to python3.N ({out.strip()[:200]})")
-    assert m is not None
     return 3, int(m.group(1))
 
 
@@ -84,10 +84,13 @@ def extract_headers(img: str, ver: tuple[int, int], dest: str) -> list[str]:
     return [os.path.join(inc, py), inc]
 
 
-def module_sources() -> list[str]:
-    sys.path.insert(0, REPO)
-    import setup  # the repository's setup.py: native_modules() reads aiordma/native.py
-    return list(setup.native_modules())
+def repo_setup() -> ModuleType:
+    """The repository's setup.py as a module (``native_modules()`` reads
+    aiordma/native.py; ``MYPYC_GROUP``)."""
+    if REPO not in sys.path:
+        sys.path.insert(0, REPO)
+    import setup
+    return setup
 
 
 def cache_key(ver: tuple[int, int], sources: list[str]) -> str:
@@ -116,8 +119,6 @@ def translate(ver: tuple[int, int], sources: list[str], build_dir: str) -> list[
     import collections
 
     import mypyc.build as mb
-    sys.path.insert(0, REPO)
-    import setup
 
     # (a cache of its own: mypyc skips writing C that an earlier run of the same
     # modules wrote, into whichever directory that was)
@@ -126,7 +127,7 @@ def translate(ver: tuple[int, int], sources: list[str], build_dir: str) -> list[
     fake = collections.namedtuple("version_info", "major minor micro releaselevel serial")
     sys.version_info = fake(ver[0], ver[1], 0, "final", 0)  # type: ignore[misc,assignment]
     try:
-        return list(mb.mypycify(sources, opt_level="3", group_name=setup.MYPYC_GROUP,
+        return list(mb.mypycify(sources, opt_level="3", group_name=repo_setup().MYPYC_GROUP,
                                 target_dir=build_dir))
     finally:
         sys.version_info = real  # type: ignore[misc]
@@ -139,12 +140,12 @@ def compile_group(exts: list[Any], includes: list[str], suffix: str, build_dir: 
     cc = shlex.split(os.environ.get("CC", "cc"))
     jobs: list[tuple[list[str], str]] = []
     objects: dict[str, list[str]] = {}
+    objs = os.path.join(build_dir, "obj")
+    os.makedirs(objs)
     for ext in exts:
         objects[ext.name] = []
         for src in ext.sources:
-            obj = os.path.join(build_dir, "obj", os.path.relpath(os.path.abspath(src), REPO)
-                               if not os.path.isabs(src) else src.lstrip("/")) + ".o"
-            os.makedirs(os.path.dirname(obj), exist_ok=True)
+            obj = os.path.join(objs, f"{len(jobs)}.o")
             incs = [f"-I{d}" for d in list(ext.include_dirs) + includes]
             jobs.append((cc + CFLAGS + list(ext.extra_compile_args) + incs
                          + ["-c", src, "-o", obj], src))
@@ -193,16 +194,15 @@ def main(argv: list[str]) -> int:
         print(__doc__, file=sys.stderr)
         return 2
     img, cache, out = argv[1:]
-    if shutil.which("debugfs") is None and not os.path.exists("/usr/sbin/debugfs") \
-            and not os.path.exists("/sbin/debugfs"):
-        die("debugfs (e2fsprogs) is missing")
     os.environ["PATH"] += os.pathsep + "/usr/sbin" + os.pathsep + "/sbin"
+    if shutil.which("debugfs") is None:
+        die("debugfs (e2fsprogs) is missing")
     try:
         import mypyc  # noqa: F401
     except ImportError as exc:
         die(f"mypy (mypyc) is not installed for {sys.executable}: {exc}")
     ver = guest_python(img)
-    sources = module_sources()
+    sources = list(repo_setup().native_modules())
     os.chdir(REPO)  # mypyc reads pyproject.toml's settings and the module paths from here
     key = cache_key(ver, sources)
     kept = os.path.join(cache, f"mypyc-{key}.tar")
