@@ -331,7 +331,7 @@ class Endpoint:
         if rxq and not rx.receivers and not self._engine.state.failed:
             m = rxq[0]
             if m.kind == RX_DATA:  # already here, nobody queued before us: no lock
-                data = bytes(rx.rpool.view[m.offset: m.offset + m.length])
+                data = rx.rpool.bytes_at(m.offset, m.length)
                 rx.consume_data(m)
                 return data
         rx.receivers += 1

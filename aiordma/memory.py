@@ -213,6 +213,11 @@ class SlotPool(Slots):
         self.mr = pd.reg_mr(self._map, access)
         super().__init__(self.mr.view, self.mr.addr, self.mr.lkey, slot_size, count)
 
+    def bytes_at(self, offset: int, length: int) -> bytes:
+        """``Slots.bytes_at``, sliced from the mapping itself: one bytes object, no
+        view in between."""
+        return self._map[offset: offset + length]
+
     def close(self) -> None:
         self.mr.close()
         try:

@@ -55,7 +55,7 @@ class Receiving:
             m = await self.next_rx()
             rx = self._engine.rx
             if m.kind == RX_DATA:
-                data = bytes(rx.rpool.view[m.offset: m.offset + m.length])
+                data = rx.rpool.bytes_at(m.offset, m.length)
                 rx.consume_data(m)
                 return data
             st = await self.rndv_fetch(m, None)

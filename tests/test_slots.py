@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
+from aiordma.memory import SlotPool
 from aiordma.protocol.slots import Slots
 
 
@@ -28,6 +31,22 @@ def test_a_slot_is_a_view_of_its_part_of_the_region() -> None:
     s.slot(2, 3)[:] = b"xyz"
     assert bytes(buf[8:19]) == b"abcdefghxyz" and len(s.slot(0)) == 8
     assert repr(s) == "<Slots 4x8 free=4>"
+    got = s.bytes_at(9, 4)
+    assert got == b"bcde" and type(got) is bytes
+    buf[9] = 0  # a copy, not a view
+    assert got == b"bcde"
+
+
+def test_a_slot_pool_copies_out_of_its_mapping(ctx: Any) -> None:
+    pd = ctx.alloc_pd()
+    pool = SlotPool(pd, 16, 4)
+    try:
+        pool.slot(1)[:] = bytes(range(16))
+        got = pool.bytes_at(18, 5)
+        assert got == bytes(range(2, 7)) and type(got) is bytes
+    finally:
+        pool.close()
+        pd.close()
 
 
 @pytest.mark.parametrize("size,count,region", [(0, 1, 8), (8, 0, 8), (8, 2, 15)])

@@ -55,6 +55,10 @@ class Slots:
     def in_use(self, i: int) -> bool:
         return bool(self._used[i])
 
+    def bytes_at(self, offset: int, length: int) -> bytes:
+        """A copy of ``length`` bytes at ``offset`` in the region."""
+        return bytes(self.view[offset: offset + length])
+
     def addr(self, i: int) -> int:
         """The address of slot ``i``."""
         return self.base + i * self.slot_size

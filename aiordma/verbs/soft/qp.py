@@ -47,7 +47,6 @@ _WIRE_OP: Final = {
     WROpcode.ATOMIC_CMP_AND_SWP: wire.OP_CMP_SWP,
     WROpcode.ATOMIC_FETCH_AND_ADD: wire.OP_FETCH_ADD,
 }
-_RD_ATOMIC: Final = frozenset({wire.OP_READ, wire.OP_CMP_SWP, wire.OP_FETCH_ADD})
 # hot path: plain ints (flag-enum arithmetic builds a new enum object per operation)
 _INLINE: Final = int(SendFlags.INLINE)
 _SIGNALED: Final = int(SendFlags.SIGNALED)
@@ -103,8 +102,8 @@ class SoftQP(Responder):
     def conn_header(self, conn: Conn, h: tuple[int, ...]) -> Sink | None:
         # One connection may carry both directions (see wire: the peer adopted ours):
         # requests go to the responder half, responses to the requester half.
-        op = h[0]
-        if op in wire.REQUEST_OPS:
+        op: int = h[0]
+        if wire.is_request(op):
             if conn is not self._resp_conn:
                 if conn is self._req_conn:
                     # the peer sends its requests on our connection (it dropped its own)
@@ -115,7 +114,7 @@ class SoftQP(Responder):
                     conn.fail()  # not our protocol: drop the connection
                     return None
             return self._on_request(conn, h)
-        if op in wire.RESPONSE_OPS and conn is self._req_conn:
+        if wire.is_response(op) and conn is self._req_conn:
             return self._on_response(conn, h)
         if conn is self._req_conn or conn is self._resp_conn:
             conn.fail()
@@ -244,7 +243,8 @@ class SoftQP(Responder):
 
     def _build(self, wr: SendWR) -> tuple[SWQE, SendWR]:
         wrop, length = check_send_wr(wr, self.cap)
-        op = _WIRE_OP[wrop]
+        op: int = _WIRE_OP[wrop]
+        rd_atomic = wire.is_rd_atomic(op)
         sg = wr.sg_list
         flags = int(wr.send_flags)
         inline = flags & _INLINE
@@ -252,7 +252,7 @@ class SoftQP(Responder):
         if inline:
             segs = [memoryview(self._copy_inline(sg))] if length else []
         else:
-            views = self._resolve(sg, need_write=op in _RD_ATOMIC)
+            views = self._resolve(sg, need_write=rd_atomic)
             if views is None:
                 error = _WC_LOC_PROT_ERR
                 segs = []
@@ -261,7 +261,7 @@ class SoftQP(Responder):
         if length > wire.MAX_MSG:
             error = _WC_LOC_LEN_ERR
         w = SWQE(wr.wr_id, op, WC_OPCODE_FOR_WR[wr.opcode], segs, length,
-                 flags & _SIGNALED != 0, error, flags & _FENCE != 0, op in _RD_ATOMIC)
+                 flags & _SIGNALED != 0, error, flags & _FENCE != 0, rd_atomic)
         return w, wr
 
     def _copy_inline(self, sg: list[SGE]) -> bytes:

@@ -175,13 +175,13 @@ class Requester(QPCore):
                 break
             unsent.popleft()
             inflight.append(w)
-            if cma_min >= 0 and w.op in wire.CMA_OPS and (
+            if cma_min >= 0 and wire.is_cma_op(w.op) and (
                     (cma_min <= w.length and _cma_request(w, bufs, False))
                     or (w.op == wire.OP_READ and cma.SHM_MIN <= w.length < cma_min
                         and _cma_request(w, bufs, True))):
                 continue
             bufs.append(w.hdr)
-            if w.op in wire.PAYLOAD_OPS:
+            if wire.has_payload(w.op):
                 bufs.extend(w.segs)
         if bufs:
             conn.requests_sent = True
@@ -249,7 +249,7 @@ class Requester(QPCore):
     # --- responses -----------------------------------------------------------------------
     def _on_response(self, conn: Conn, h: tuple[int, ...]) -> Sink | None:
         op, flags, aux, psn, length, _imm, _rkey, _pad, _raddr, value, _swap = h
-        if self._state != _QP_RTS or op not in wire.RESPONSE_OPS:
+        if self._state != _QP_RTS or not wire.is_response(op):
             return discard(wire.payload_len(h))
         self._progress = _monotonic()
         inflight = self._inflight

@@ -141,7 +141,7 @@ class Responder(Requester):
         op, flags, aux, psn, length, imm, rkey, _pad, raddr, compare_add, swap = h
         plen = wire.payload_len(h)
         if (self._state not in (_QP_RTR, _QP_RTS) or psn != self._epsn
-                or op not in wire.REQUEST_OPS):
+                or not wire.is_request(op)):
             # out of sequence (e.g. behind an RNR NAK'd request): drop, the requester resends
             return discard(plen)
         rq = self._rq

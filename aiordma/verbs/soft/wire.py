@@ -130,11 +130,40 @@ PSN_MASK: Final = 0xFFFFFF
 MAX_MSG: Final = 1 << 31
 
 
+# The opcode sets above as comparisons of a C integer: the per-packet path asks these
+# (a frozenset's membership test is a hash lookup of a boxed int); the tests check that
+# each predicate agrees with its set on every u8.
+def is_request(op: int) -> bool:
+    """``op in REQUEST_OPS``."""
+    return OP_SEND <= op <= OP_FETCH_ADD
+
+
+def is_response(op: int) -> bool:
+    """``op in RESPONSE_OPS``."""
+    return OP_ACK <= op <= OP_ATOMIC_RESP
+
+
+def has_payload(op: int) -> bool:
+    """``op in PAYLOAD_OPS``."""
+    return OP_SEND <= op <= OP_WRITE_IMM or op == OP_READ_RESP
+
+
+def is_rd_atomic(op: int) -> bool:
+    """``op`` reads the responder's memory (READ, CMP_SWP, FETCH_ADD)."""
+    return OP_READ <= op <= OP_FETCH_ADD
+
+
+def is_cma_op(op: int) -> bool:
+    """``op in CMA_OPS``."""
+    return OP_WRITE <= op <= OP_READ
+
+
 def payload_len(h: tuple[int, ...]) -> int:
     """How many payload bytes follow the header ``h`` (an unpacked ``HDR``)."""
+    op: int = h[0]
     if h[1] & FLAG_CMA:
-        return IOV_SIZE * h[2] if h[0] in CMA_OPS else 0
-    return h[4] if h[0] in PAYLOAD_OPS else 0
+        return IOV_SIZE * h[2] if is_cma_op(op) else 0
+    return h[4] if has_payload(op) else 0
 
 
 def psn_add(psn: int, n: int = 1) -> int:
