@@ -34,8 +34,9 @@ class PipeFlag:
         if self._up:
             self._up = False
             try:
-                while os.read(self.fd, 4096):
-                    pass
+                # one read: the pipe holds at most one byte (a second read would end
+                # in BlockingIOError, an exception per lowering)
+                os.read(self.fd, 4096)
             except (BlockingIOError, OSError):
                 pass
 
