@@ -11,7 +11,7 @@ _NATIVE_C = $(patsubst %.pyx,%.c,$(wildcard aiordma/*/*/*.pyx aiordma/*/*.pyx ai
 
 
 .PHONY: bench-cost bench-ucxx
-.PHONY: native native-prereqs clean-native test-native test-wheel results setup echo test test-fast test-net net-prereqs bench-net test-rxe test-rxe-all test-rxe-bookworm test-rxe-compat test-rxe-two lint bench bench-rxe clean
+.PHONY: core core-prereqs native native-prereqs clean-native test-native test-wheel results setup echo test test-fast test-net net-prereqs bench-net test-rxe test-rxe-all test-rxe-bookworm test-rxe-compat test-rxe-two lint bench bench-rxe clean
 
 $(VENV)/.stamp: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,14 +27,26 @@ $(DIST_TESTS)/VERSION: tests/fetch-distributed-tests.sh | $(VENV)/.stamp
 	bash tests/fetch-distributed-tests.sh $(DIST_TESTS) \
 		|| echo "make: distributed's comm tests not fetched; tests/test_dask_comms.py skips them"
 
-setup: $(VENV)/.stamp $(DIST_TESTS)/VERSION
+setup: $(VENV)/.stamp $(DIST_TESTS)/VERSION core
+
+## The Cython extensions, in place (make clean-native removes them): the soft provider's
+## data path (aiordma.verbs.soft._core), which the provider needs, and the verbs one
+## where rdma-core's headers are. build_ext recompiles only what changed; the mypyc
+## modules stay as they are (make native builds them).
+core: $(VENV)/.stamp core-prereqs
+	@mkdir -p build
+	AIORDMA_MYPYC=0 $(abspath $(PY)) setup.py -q build_ext --inplace >build/core.log 2>&1 \
+		|| { tail -30 build/core.log; exit 1; }
+	@$(PY) -c "import aiordma.native as n; b = n.build(); \
+		raise SystemExit(None if b.compiled('soft') else f'make core: the soft data path did not build: {b}')"
 
 ## The main job: async echo across two processes on the soft provider.
 echo: setup
 	AIORDMA_PROVIDER=soft $(PY) examples/echo_pair.py --count $(COUNT) --size $(SIZES)
 
 ## Fast tier: unit, sans-IO and provider-parametrised tests on `soft`, both loops,
-## plus mypy and ruff (the two-host tests are test-net's).
+## plus mypy and ruff (the two-host tests are test-net's): the Python modules as
+## sources (the mypyc ones uncompiled), the Cython extensions built (make core).
 test-fast: setup
 	AIORDMA_PROVIDER=soft $(PY) -m pytest -q -m "not netns"
 
@@ -68,26 +80,33 @@ clean: clean-native
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
 
 ## The native build (setup.py), in place: the Cython extensions (aiordma.native.EXTENSIONS:
-## the verbs data path through libibverbs) and the modules mypyc compiles
-## (aiordma.native.MODULES). Python imports the extensions instead of the sources until
-## `make clean-native`. (`make setup` installs the pure sources; a plain `pip install`
-## builds the Cython extensions where it can.)
-# A C compiler, the headers of the venv's Python and rdma-core's (libibverbs-dev);
-# installed with apt-get when missing.
-native-prereqs:
-	@if ! command -v cc >/dev/null 2>&1 || [ ! -e /usr/include/infiniband/verbs.h ] \
+## the soft device's data path, the verbs one through libibverbs) and the modules mypyc
+## compiles (aiordma.native.MODULES). Python imports the extensions instead of the sources
+## until `make clean-native`. (`make setup` installs the sources and builds the Cython
+## extensions, `make core`; a plain `pip install` builds everything it can.)
+# A C compiler and the headers of the venv's Python; installed with apt-get when missing.
+core-prereqs:
+	@if ! command -v cc >/dev/null 2>&1 \
 		|| ! $(PYTHON) -c 'import os, sys, sysconfig; \
 		sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))'; then \
-		command -v apt-get >/dev/null 2>&1 || { echo "make native: needs a C compiler, Python's headers and rdma-core's (libibverbs-dev)"; exit 1; }; \
+		command -v apt-get >/dev/null 2>&1 || { echo "make core: needs a C compiler and Python's headers"; exit 1; }; \
 		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
-		$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq gcc python3-dev libibverbs-dev; \
+		$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq gcc python3-dev; \
+	fi
+
+# rdma-core's headers (libibverbs-dev) too; installed with apt-get when missing.
+native-prereqs: core-prereqs
+	@if [ ! -e /usr/include/infiniband/verbs.h ]; then \
+		command -v apt-get >/dev/null 2>&1 || { echo "make native: needs rdma-core's headers (libibverbs-dev)"; exit 1; }; \
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq libibverbs-dev; \
 	fi
 
 # Compile every extension (AIORDMA_BUILD=compiled: one that cannot be built fails the
 # build) in place, in the current directory's tree.
 BUILD_NATIVE = AIORDMA_BUILD=compiled AIORDMA_MYPYC=1 $(abspath $(PY)) setup.py -q build_ext --inplace
 # what `aiordma.native.build()` must report on the native build
-NATIVE_TAGS = mypyc,verbs
+NATIVE_TAGS = mypyc,verbs,soft
 
 native: setup native-prereqs
 	$(BUILD_NATIVE)

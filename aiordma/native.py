@@ -50,6 +50,8 @@ __all__ = ["mypyc_attr", "MODULES", "MYPYC_GROUP", "EXTENSIONS", "Build", "compi
 EXTENSIONS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     # the verbs provider's posts and polls through libibverbs (verbs/ibverbs/fastpath.pyx)
     ("verbs", "aiordma.verbs.ibverbs.fastpath", ("infiniband/verbs.h",)),
+    # the soft provider's per-packet path (verbs/soft/_core.pyx): the provider needs it
+    ("soft", "aiordma.verbs.soft._core", ()),
 )
 
 #: What setup.py's last build of this tree compiled and left out, and why: a JSON file
@@ -82,16 +84,7 @@ MODULES: tuple[str, ...] = (
     "aiordma.protocol.framing",
     "aiordma.verbs.wr",
     "aiordma.verbs.contract",
-    "aiordma.verbs.soft.qpcore",
-    "aiordma.verbs.soft.requester",
-    "aiordma.verbs.soft.responder",
-    "aiordma.verbs.soft.qp",
-    "aiordma.verbs.soft.conn",
-    "aiordma.verbs.soft.sink",
-    "aiordma.verbs.soft.cq",
     "aiordma.verbs.soft.wire",
-    "aiordma.verbs.soft.mr",
-    "aiordma.verbs.soft.notify",
 )
 
 

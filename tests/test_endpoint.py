@@ -15,6 +15,7 @@ import pytest
 from _pairs import HOST, T, pair
 
 import aiordma
+from aiordma import native
 from aiordma.options import EndpointOptions
 from aiordma.verbs import SendFlags, WROpcode
 
@@ -326,6 +327,8 @@ async def test_a_batch_of_large_writes_signals_each(opts: dict, signal_bytes: in
     """Writes posted together as one batch: each of at least ``signal_bytes`` is
     signaled (its task resumes when it is done, not when the whole batch is), and with
     a larger ``signal_bytes`` only the batch's last one is (aiordma.protocol.sendq)."""
+    if "aiordma.resources" in native.compiled_modules():
+        pytest.skip("stands a recording QP in (a compiled class refuses)")
     size = 64 * 1024
     async with pair(opts, signal_bytes=signal_bytes) as (ep, q):
         srv = await server_ep(q)
@@ -335,17 +338,21 @@ async def test_a_batch_of_large_writes_signals_each(opts: dict, signal_bytes: in
         desc = aiordma.RemoteBuffer.unpack(await asyncio.wait_for(ep.recv(), T))
         local = bytearray(payload(4 * size, 5))
         ep.register(local)
-        qp = ep._qp
-        post_send = qp.post_send
+        real = ep._qp
         posted: list[list[bool]] = []
 
-        def recording(wrs: list) -> None:
-            """The QP's post_send, recording which WRITEs of each post are signaled."""
-            posted.append([bool(int(w.send_flags) & int(SendFlags.SIGNALED))
-                           for w in wrs if w.opcode == WROpcode.RDMA_WRITE])
-            post_send(wrs)
+        class Recording:
+            """The QP, recording which WRITEs of each post are signaled."""
 
-        monkeypatch.setattr(qp, "post_send", recording)
+            def __getattr__(self, name: str) -> object:
+                return getattr(real, name)
+
+            def post_send(self, wrs: list) -> None:
+                posted.append([bool(int(w.send_flags) & int(SendFlags.SIGNALED))
+                               for w in wrs if w.opcode == WROpcode.RDMA_WRITE])
+                real.post_send(wrs)
+
+        monkeypatch.setattr(ep, "_qp", Recording())
         # the first is posted at once, the other three together at the end of this loop
         # iteration
         await asyncio.wait_for(asyncio.gather(*(
@@ -409,7 +416,7 @@ def test_max_wr_size_is_validated() -> None:
 
 
 def test_ack_timeout_and_retry_cnt_options() -> None:
-    from aiordma.verbs.soft.requester import local_ack_timeout_s
+    from aiordma.verbs.soft._core import local_ack_timeout_s
 
     o = EndpointOptions()
     assert (o.qp_timeout("soft"), o.qp_timeout("verbs"), o.retry_cnt) == (18, 14, 7)

@@ -21,7 +21,8 @@ from _pairs import HOST, T
 
 import aiordma
 from aiordma.resources import Resources
-from aiordma.verbs.soft.qp import SoftQP
+from aiordma.verbs.soft import mr as soft_mr
+from aiordma.verbs.soft._core import SoftQP
 
 
 async def _echo(ep: aiordma.Endpoint) -> None:
@@ -47,7 +48,14 @@ def _threaded_connect(monkeypatch: pytest.MonkeyPatch, loop: asyncio.AbstractEve
     loop (bounded wait). Returns the list of recorded thread idents."""
     threads: list[int] = []
     real = Resources.connect
-    monkeypatch.setattr(SoftQP, "modify_releases_gil", property(lambda self: True))
+    class Claiming(SoftQP):
+        """A soft QP that claims a GIL-free RTR transition."""
+
+        @property
+        def modify_releases_gil(self) -> bool:
+            return True
+
+    monkeypatch.setattr(soft_mr, "SoftQP", Claiming)
 
     def connect(self: Resources, *args: Any, **kw: Any) -> None:
         threads.append(threading.get_ident())

@@ -27,7 +27,7 @@ from _pairs import HOST, T, pair
 import aiordma
 from aiordma.verbs.soft import engine as soft_engine
 from aiordma.verbs.soft import wire
-from aiordma.verbs.soft.conn import CLOSED, Conn
+from aiordma.verbs.soft._core import CLOSED, Conn, staging_pooled
 
 pytestmark = pytest.mark.skipif(os.environ.get("AIORDMA_PROVIDER", "soft") != "soft",
                                 reason="attacks on the soft device")
@@ -188,9 +188,9 @@ async def test_closed_connections_hold_no_staging_buffer(victim: Victim) -> None
     await asyncio.sleep(0.1)
     gc.collect()
     held = [o for o in gc.get_objects()
-            if isinstance(o, Conn) and o.state == CLOSED and len(o._stage)]
+            if isinstance(o, Conn) and o.state == CLOSED and o.staged]
     assert not held
-    assert len(victim.engine.stage_pool) <= 4
+    assert staging_pooled() <= 4
     await victim.still_fine()
 
 

@@ -28,7 +28,7 @@ from test_verbs_provider import (
 from aiordma.verbs import CQ, PD, QP, Context, QPCap, QPState, RecvWR, WROpcode
 from aiordma.verbs import WCStatus as S
 from aiordma.verbs.soft import cma
-from aiordma.verbs.soft.conn import CMA_OFF, CMA_ON
+from aiordma.verbs.soft._core import CMA_OFF, CMA_ON
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("AIORDMA_PROVIDER", "soft") != "soft" or not cma.enabled(),

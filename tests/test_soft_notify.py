@@ -1,10 +1,10 @@
-"""verbs/soft/notify.PipeFlag: its fd is readable exactly while the flag is raised."""
+"""The soft device's PipeFlag (verbs/soft/_core): its fd is readable exactly while the flag is raised."""
 
 from __future__ import annotations
 
 import select
 
-from aiordma.verbs.soft.notify import PipeFlag
+from aiordma.verbs.soft._core import PipeFlag
 
 
 def _readable(fd: int) -> bool:

@@ -4,8 +4,9 @@ checkout:
 
     python tests/wheel_check.py DIST_DIR CHECKOUT
 
-Checks what the sdist and the wheel in DIST_DIR contain (the mypyc modules where a C
-compiler is here, the compiled verbs data path where rdma-core's headers are too), that ``aiordma`` is imported
+Checks what the sdist and the wheel in DIST_DIR contain (the soft provider's compiled
+data path and the mypyc modules where a C compiler is here, the compiled verbs data path
+where rdma-core's headers are too), that ``aiordma`` is imported
 from the environment (not the checkout) with its ``py.typed``, license and entry point,
 then runs, each as a process with a time limit: ``aiordma doctor``, ``aiordma devices``,
 ``aiordma bench --help`` and a short bench, the examples of CHECKOUT/examples and the
@@ -45,12 +46,17 @@ def check_archives(dist: pathlib.Path) -> None:
         fail(f"expected one wheel and one sdist in {dist}, found {wheels + sdists}")
     names = zipfile.ZipFile(wheels[0]).namelist()
     for want in ("aiordma/py.typed", "aiordma/bench/cli.py", "aiordma/doctor.py",
-                 "aiordma/verbs/ibverbs/fastpath.pyx", "aiordma/verbs/ibverbs/fastpath.pxd"):
+                 "aiordma/verbs/ibverbs/fastpath.pyx", "aiordma/verbs/ibverbs/fastpath.pxd",
+                 "aiordma/verbs/soft/_core.pyx", "aiordma/verbs/soft/_core.pxd",
+                 "aiordma/verbs/soft/_core.pyi", "aiordma/verbs/soft/core_qp.pxi"):
         if want not in names:
             fail(f"the wheel has no {want}")
     built = [n for n in names if re.fullmatch(r"aiordma/verbs/ibverbs/fastpath\..*\.so", n)]
     if os.path.exists(VERBS_H) and shutil.which("cc") and not built:
         fail(f"{VERBS_H} and a C compiler are here, but the wheel has no compiled data path")
+    if shutil.which("cc") and not any(re.fullmatch(r"aiordma/verbs/soft/_core\..*\.so", n)
+                                      for n in names):
+        fail("a C compiler is here, but the wheel has no soft data path")
     lib = native.SHARED_LIB.replace(".", "/")
     if shutil.which("cc") and not any(re.fullmatch(rf"{lib}\..*\.so", n) for n in names):
         fail("a C compiler is here, but the wheel has no mypyc modules")
@@ -62,6 +68,7 @@ def check_archives(dist: pathlib.Path) -> None:
     with tarfile.open(sdists[0]) as tar:
         members = {m.name.split("/", 1)[1] for m in tar.getmembers() if "/" in m.name}
     for want in ("LICENSE", "README.md", "aiordma/py.typed", "examples/echo_pair.py",
+                 "aiordma/verbs/soft/core_conn.pxi",
                  "docs/design.md", "tests/conftest.py"):
         if want not in members:
             fail(f"the sdist has no {want}")
@@ -80,6 +87,8 @@ def check_installed(checkout: pathlib.Path) -> None:
     build = native.build()
     if os.path.exists(VERBS_H) and shutil.which("cc") and not build.compiled("verbs"):
         fail(f"a source install with a C compiler and {VERBS_H} runs {build}")
+    if shutil.which("cc") and not build.compiled("soft"):
+        fail(f"a source install with a C compiler runs {build}, without the soft data path")
     if shutil.which("cc") and build.modules != "mypyc":
         fail(f"a source install with a C compiler runs {build}, not the mypyc modules")
     print(f"ok: aiordma {aiordma.__version__} installed in {pkg}, typed, MIT, build {build}",

@@ -107,7 +107,6 @@ class WC:
         status: WCStatus,
         opcode: WCOpcode,
         byte_len: int = 0,
-        *,
         vendor_err: int = 0,
         imm_data: int = 0,
         qp_num: int = 0,

@@ -9,9 +9,8 @@ from ...errors import DeviceError, RDMAError
 from ..api import AsyncEvent, CompChannel, Context, DeviceAttr, PortAttr
 from ..enums import MTU, LinkLayer, PortState
 from . import addr, engine, limits
-from .cq import SoftCompChannel, SoftCQ
+from ._core import PipeFlag, SoftCompChannel, SoftCQ
 from .mr import SoftPD
-from .notify import PipeFlag
 
 DEVICE_NAME = "soft0"
 GID_TABLE_LEN = 16

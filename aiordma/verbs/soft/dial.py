@@ -1,6 +1,6 @@
 """The soft device's outgoing connections: a socket to a peer device, made in the
 caller's thread (so that a QP that cannot connect fails its ``modify`` to RTR rather
-than its first request), then adopted by the NIC thread.
+than its first request), then adopted by the NIC thread (``_core.start_connect``).
 
 Same-host peers are reached over the abstract Unix socket when they have one (no
 TCP/IP stack), others over TCP with a non-blocking connect. Running out of
@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING
 
 from ...errors import RDMAError, fd_limit_error
 from . import addr
-from .conn import CONNECTING, OPEN, Conn
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -97,27 +96,3 @@ def probe_descriptor(engine: Engine) -> None:
         os.close(os.dup(engine.listener.fileno()))
     except OSError as exc:
         raise _socket_error(engine, exc) from exc
-
-
-def start_connect(engine: Engine, conn: Conn, sock: socket.socket, sa: tuple[str, int],
-                  err: int) -> None:
-    """NIC thread: adopt the socket ``open_socket`` made for ``conn``."""
-    engine.limit_logged = False
-    if conn.state != CONNECTING:
-        sock.close()
-        return
-    tune(sock)
-    conn.sock = sock
-    conn.peer = sa
-    if err == -1 or err == 0:
-        conn.state = OPEN
-        conn.reading = True
-        if err == -1:
-            conn.cma_start(after_hello=True)
-        conn._update_sel()
-        if conn.out:
-            conn._flush()
-    elif err in (errno.EINPROGRESS, errno.EWOULDBLOCK, errno.EAGAIN, errno.EINTR):
-        conn._update_sel()
-    else:
-        conn.fail()

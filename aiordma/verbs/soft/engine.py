@@ -31,15 +31,13 @@ from typing import TYPE_CHECKING
 from ...errors import DeviceError, fd_limit_error
 from ..enums import QPState
 from . import addr
+from ._core import OPEN, Conn, DeviceLock, KeyTable
 from .admission import Admission, Listener
-from .conn import OPEN, Conn
 from .dial import tune
 from .keys import random_qpn
-from .mr import KeyTable
 
 if TYPE_CHECKING:
-    from .cq import SoftCompChannel
-    from .qp import SoftQP
+    from ._core import SoftCompChannel, SoftQP
 
 log = logging.getLogger("aiordma.soft")
 
@@ -76,7 +74,7 @@ class Engine:
     """The per-process soft device (``soft0``)."""
 
     def __init__(self, host: str, port: int) -> None:
-        self.lock = threading.Lock()
+        self.lock = DeviceLock()
         self.keys = KeyTable()
         self.qps: dict[int, SoftQP] = {}
         self.conns: set[Conn] = set()
@@ -84,8 +82,6 @@ class Engine:
         #: the key of QPs given none (QPAttr.auth_key): never leaves the process
         self.secret = secrets.token_bytes(32)
         self.limit_logged = False  # out of descriptors, logged (dial.py: once per burst)
-        #: input staging buffers lent to connections while they parse (conn.py)
-        self.stage_pool: list[tuple[bytearray, memoryview]] = []  # (buffer, its view)
         self.admission = Admission(self)  # (reads its settings: DeviceError first)
         opened: list[socket.socket | selectors.BaseSelector | int] = []
         try:
@@ -397,7 +393,7 @@ def _after_fork_in_child() -> None:
     e, _engine = _engine, None
     if e is None:
         return
-    e.lock = threading.Lock()
+    e.lock = DeviceLock()
     e._stopping = True
     e.admission.close_all()
     socks = [c.sock for c in e.conns if c.sock is not None] + [e.listener]
