@@ -166,6 +166,7 @@ cdef class SoftCQ:
 
 cdef class Conn:
     cdef public object engine
+    cdef DeviceLock _lock
     cdef public object sock
     cdef public SoftQP owner
     cdef public int state

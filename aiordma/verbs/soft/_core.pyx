@@ -128,7 +128,7 @@ cdef inline double monotonic() noexcept nogil:
 # Enum members the data path hands out, indexed by their value: a C array index instead
 # of an enum construction per completion.
 _STATUS = tuple(WCStatus(i) for i in range(len(WCStatus)))
-_OPCODE = {int(m): m for m in WCOpcode}
+_OPCODE = tuple(WCOpcode(i) if i in WCOpcode._value2member_map_ else i for i in range(256))
 _QP_STATE = tuple(QPState(i) for i in range(len(QPState)))
 _WITH_IMM = WCFlags.WITH_IMM
 

@@ -68,6 +68,7 @@ cdef class Conn:
 
     def __init__(self, engine, sock, SoftQP owner, *, int state):
         self.engine = engine
+        self._lock = engine.lock
         self.sock = sock
         self.fd = sock.fileno() if sock is not None else -1
         self.owner = owner
@@ -426,7 +427,7 @@ cdef class Conn:
     def on_event(self, int mask):
         cdef DeviceLock lock
         if mask & 2:  # selectors.EVENT_WRITE
-            lock = self.engine.lock
+            lock = self._lock
             lock.acquire_c()
             try:
                 self._on_writable()
@@ -455,7 +456,7 @@ cdef class Conn:
 
     def on_readable_locked(self):
         """Called via call_soon (lock held): process staged input."""
-        cdef DeviceLock lock = self.engine.lock
+        cdef DeviceLock lock = self._lock
         lock.release_c()
         try:
             self.on_readable()
@@ -466,7 +467,7 @@ cdef class Conn:
         """The driver's thread, device lock NOT held: read and dispatch as much as the
         budget allows. One thread at a time: a second caller returns at once (the
         socket stays readable, so its driver comes back for what is left)."""
-        cdef DeviceLock lock = self.engine.lock
+        cdef DeviceLock lock = self._lock
         lock.acquire_c()
         try:
             if self._busy:
@@ -486,7 +487,7 @@ cdef class Conn:
     cdef int _read_input(self) except -1:
         """Lock held for the whole batch (one acquisition, not one per message), but
         released while a large payload is received straight into its destination."""
-        cdef DeviceLock lock = self.engine.lock
+        cdef DeviceLock lock = self._lock
         cdef Py_ssize_t budget = READ_BUDGET, n, want
         cdef char *ptr
         cdef hdr_t h
@@ -591,7 +592,7 @@ cdef class Conn:
         cdef int done = self._done
         qp, job, call, keep = self._d_qp, self._d_job, self._d_call, self._d_keep
         if job is not None:
-            lock = self.engine.lock
+            lock = self._lock
             lock.release_c()
             try:
                 job()

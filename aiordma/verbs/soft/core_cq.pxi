@@ -397,7 +397,7 @@ cdef class SoftCQ:
             got = self.poll_c(buf, take)
             for i in range(got):
                 e = &buf[i]
-                out.append(WC(e.wr_id, _STATUS[e.status], _OPCODE.get(e.opcode, e.opcode),
+                out.append(WC(e.wr_id, _STATUS[e.status], _OPCODE[e.opcode & 0xFF],
                               e.byte_len, e.vendor_err, e.imm_data, e.qp_num, e.src_qp,
                               _WITH_IMM if e.wc_flags else 0))
             if got < take:
