@@ -17,6 +17,9 @@ default, as above), ``1`` (required: the build fails without it; ``make native``
 
 ``AIORDMA_BUILD``: ``auto`` (the default, as above), ``python`` (compile nothing), or
 ``compiled`` (every Cython extension, or the build fails: ``make native``, the VM tier).
+``AIORDMA_EXTENSIONS``: a comma-separated list of the Cython extensions' tags to build
+(default: all); the others are left out, saying so (the Soft-RoCE guests build the
+``verbs`` one only: the host builds the others for them, ``tests/rxe/guest_mypyc.py``).
 ``build_in_place()`` builds without reading pyproject.toml (the VM tier's guests).
 """
 
@@ -36,6 +39,7 @@ MODE = os.environ.get("AIORDMA_BUILD", "auto")
 if MODE not in ("auto", "python", "compiled"):
     raise SystemExit(f"AIORDMA_BUILD={MODE!r}: use auto, python or compiled")
 MYPYC = os.environ.get("AIORDMA_MYPYC", "auto")
+ONLY = os.environ.get("AIORDMA_EXTENSIONS") or None  # (empty: all)
 if MYPYC not in ("auto", "0", "1"):
     raise SystemExit(f"AIORDMA_MYPYC={MYPYC!r}: use auto, 0 or 1")
 #: the mypyc group's key in ``left_out`` and ``_build.json`` (aiordma.native.MYPYC_GROUP)
@@ -58,10 +62,11 @@ def native_modules() -> list[str]:
     return [m.replace(".", "/") + ".py" for m in _native_literal("MODULES")]
 
 
-def cython_extensions() -> list[tuple[str, str, tuple[str, ...]]]:
-    """``aiordma.native.EXTENSIONS`` as ``(module, .pyx source path, headers)``."""
-    return [(mod, mod.replace(".", "/") + ".pyx", tuple(headers))
-            for _tag, mod, headers in _native_literal("EXTENSIONS")]
+def cython_extensions(tags: bool = False) -> list[tuple[str, str, tuple[str, ...]]]:
+    """``aiordma.native.EXTENSIONS`` as ``(module, .pyx source path, headers)``; with
+    ``tags``, ``(tag, module, source, headers)``."""
+    return [((tag,) if tags else ()) + (mod, mod.replace(".", "/") + ".pyx", tuple(headers))
+            for tag, mod, headers in _native_literal("EXTENSIONS")]
 
 
 #: the commands that compile (a command line with none of them, e.g. sdist, compiles nothing)
@@ -107,9 +112,15 @@ def _cython_ext_modules() -> list[Any]:
             _note(mod, f"Cython is not installed: {exc}")
         return []
     out = []
-    for mod, src, headers in exts:
+    only = None if ONLY is None else {t.strip() for t in ONLY.split(",") if t.strip()}
+    for tag, mod, src, headers in cython_extensions(tags=True):
+        if only is not None and tag not in only:
+            left_out[mod] = f"AIORDMA_EXTENSIONS={ONLY}"
+            continue
         HEADERS[mod] = headers
         out.append(Extension(mod, [src]))
+    if not out:
+        return []
     return cythonize(out, compiler_directives={"language_level": 3}, quiet=True)
 
 

@@ -3,8 +3,8 @@
 The endpoint is the asyncio face of three parts, each with one reason to change:
 
 * ``protocol.engine.MessageEngine`` -- the data path, sans-IO: state, credits, queues,
-  frames, completions, rendezvous bookkeeping (``protocol/sender.py``,
-  ``protocol/receiver.py``);
+  frames, completions, rendezvous bookkeeping (``protocol/engine.pyx``: its sender and
+  receiver);
 * ``resources.Resources`` -- the verbs objects and buffers, and posting to them;
 * ``lifecycle.Lifecycle`` -- the setup connection's watch, close, EOF, abort, teardown.
 
@@ -42,11 +42,9 @@ from .lifecycle import Lifecycle, uncancelled
 from .memory import MemoryRegion, RemoteBuffer
 from .onesided import OneSided
 from .options import EndpointOptions
-from .protocol.engine import MessageEngine
-from .protocol.framing import HANDSHAKE_FLAG_BATCH
+from .protocol.engine import DATA, HANDSHAKE_FLAG_BATCH, RNDV, RX_DATA, MessageEngine, Op
 from .protocol.handshake import Hello
 from .protocol.heartbeat import HANDSHAKE_FLAG_LIVENESS
-from .protocol.ops import DATA, RNDV, RX_DATA, Op
 from .protocol.state import Local, Remote
 from .receiving import Receiving
 from .resources import Resources

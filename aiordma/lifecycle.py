@@ -21,9 +21,8 @@ from typing import Any, Final, cast
 
 from . import liveness
 from .errors import ConnectionClosed, PeerUnresponsive, RDMAError
-from .protocol.engine import MessageEngine
+from .protocol.engine import DATA, IMM, RNDV, MessageEngine, wake
 from .protocol.errors import RemoteProtocolError
-from .protocol.ops import DATA, IMM, RNDV, wake
 from .protocol.state import Local, Remote
 from .resources import Resources
 

@@ -21,7 +21,7 @@ import struct
 from typing import Any, ClassVar, Final
 
 from .native import mypyc_attr
-from .protocol.slots import Slots
+from .protocol.engine import Slots
 from .verbs import MR, PD, Access
 from .verbs.buffers import PinnedBuffer, SharedMemory
 
@@ -201,6 +201,7 @@ def _page_round(n: int) -> int:
     return max(page, (n + page - 1) // page * page)
 
 
+@mypyc_attr(native_class=False)  # (its base is the compiled engine's: not a mypyc class)
 class SlotPool(Slots):
     """``count`` slots of ``slot_size`` bytes in one page-aligned registered mmap
     (``Slots``: acquire and release; ``mr``: the registration). Raises ValueError for a
@@ -219,6 +220,7 @@ class SlotPool(Slots):
         return self._map[offset: offset + length]
 
     def close(self) -> None:
+        self.forget_memory()
         self.mr.close()
         try:
             self._map.close()

@@ -52,6 +52,8 @@ EXTENSIONS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("verbs", "aiordma.verbs.ibverbs.fastpath", ("infiniband/verbs.h",)),
     # the soft provider's per-packet path (verbs/soft/_core.pyx): the provider needs it
     ("soft", "aiordma.verbs.soft._core", ()),
+    # the message engine (protocol/engine.pyx): every endpoint needs it
+    ("engine", "aiordma.protocol.engine", ()),
 )
 
 #: What setup.py's last build of this tree compiled and left out, and why: a JSON file
@@ -69,19 +71,11 @@ MODULES: tuple[str, ...] = (
     "aiordma.receiving",
     "aiordma.resources",
     "aiordma.lifecycle",
-    "aiordma.protocol.engine",
-    "aiordma.protocol.sender",
-    "aiordma.protocol.receiver",
-    "aiordma.protocol.ops",
     "aiordma.protocol.state",
     "aiordma.cq_reactor",
     "aiordma.poll_schedule",
     "aiordma.spin_policy",
-    "aiordma.protocol.sendq",
-    "aiordma.protocol.slots",
     "aiordma.memory",
-    "aiordma.protocol.credits",
-    "aiordma.protocol.framing",
     "aiordma.verbs.wr",
     "aiordma.verbs.contract",
     "aiordma.verbs.soft.wire",

@@ -1,6 +1,6 @@
 """The one-sided operations of an ``Endpoint`` (``OneSided``): RDMA WRITE and READ,
 WRITE with immediate (and receiving its immediate), and the two atomics, each queued as
-operations (``protocol.ops.Op``) on the engine's send queues and awaited.
+operations (``protocol.engine.Op``) on the engine's send queues and awaited.
 
 An operation larger than one work request may carry (the port's ``max_msg_sz``) is
 posted as several (``Resources.wr_chunks``), in order on one queue; its last piece
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from .errors import ConnectionClosed
 from .memory import LocalSpan, RemoteBuffer
-from .protocol.ops import ATOMIC, IMM, READ, WRITE, Op
+from .protocol.engine import ATOMIC, IMM, READ, WRITE, Op
 from .protocol.state import Remote
 from .verbs import SendWR, WROpcode
 

@@ -50,9 +50,9 @@ class EndpointOptions:
     * ``signal_interval``: at most this many unsignaled sends in a row.
     * ``signal_bytes``: at most this many bytes posted unsignaled in a row (a batch of
       large READs/WRITEs then reports each operation as it finishes, see
-      aiordma.protocol.sendq).
+      aiordma.protocol.engine).
     * ``repost_batch``: consumed receive buffers are re-posted this many at a time (one
-      post for all; fewer when ``recv_depth`` is small, see protocol.credits rule 6).
+      post for all; fewer when ``recv_depth`` is small, see the engine's credit rule 6).
     * ``inline_threshold``: frames up to this size are posted inline (device limit too).
     * ``handshake_timeout``: seconds for each step of connection setup.
     * ``secret``: a shared secret (bytes, at least 16) both sides must prove in the

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from .errors import ConnectionClosed, MessageTooLarge
 from .lifecycle import uncancelled
 from .memory import LocalSpan
-from .protocol.ops import RX_DATA, RX_EOF, Rx
+from .protocol.engine import RX_DATA, RX_EOF, Rx
 
 if TYPE_CHECKING:
     from .endpoint import Endpoint

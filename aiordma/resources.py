@@ -16,6 +16,7 @@ reference.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final, cast
@@ -24,9 +25,9 @@ from .cq_reactor import CQReactor
 from .device import Device
 from .errors import RDMAError
 from .memory import LocalSpan, RegionTable, SlotPool, Staging, StagingCache
+from .native import mypyc_attr
 from .options import EndpointOptions
-from .protocol.engine import EnginePort
-from .protocol.ops import Waiter
+from .protocol.engine import EnginePort, Waiter
 from .verbs import (
     MTU,
     SGE,
@@ -52,11 +53,18 @@ _ALL_RIGHTS: Final = (Access.LOCAL_WRITE | Access.REMOTE_READ | Access.REMOTE_WR
                       | Access.REMOTE_ATOMIC)
 
 
+def _report_done(fn: Callable[[bool], None], fut: asyncio.Future[Any]) -> None:
+    """``fn(succeeded)`` for the done ``fut`` (a module function: mypyc compiles no
+    closure in a method of a class that is not native)."""
+    fn(not fut.cancelled() and fut.exception() is None)
+
+
 def _consume_exception(fut: asyncio.Future[Any]) -> None:
     if not fut.cancelled():
         fut.exception()
 
 
+@mypyc_attr(native_class=False)  # (its base is the compiled engine's: not a mypyc class)
 class Resources(EnginePort):
     """The verbs objects of one endpoint (module doc); ``bind`` before posting.
 
@@ -196,7 +204,7 @@ class Resources(EnginePort):
 
     def when_done(self, waiter: Waiter, fn: Callable[[bool], None]) -> None:
         fut = cast("asyncio.Future[Any]", waiter)  # (a waiter of new_waiter)
-        fut.add_done_callback(lambda f: fn(not f.cancelled() and f.exception() is None))
+        fut.add_done_callback(functools.partial(_report_done, fn))
 
     def on_failed(self, exc: BaseException, unexpected: bool) -> None:
         self.hooks.on_failed(exc, unexpected)

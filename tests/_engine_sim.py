@@ -8,8 +8,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from aiordma.protocol.engine import EnginePort, MessageEngine
-from aiordma.protocol.slots import Slots
+from aiordma.protocol.engine import EnginePort, MessageEngine, Slots
 from aiordma.verbs.enums import WCOpcode, WCStatus, WROpcode
 from aiordma.verbs.wr import SGE, WC, SendWR
 

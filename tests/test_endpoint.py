@@ -326,7 +326,7 @@ async def test_a_batch_of_large_writes_signals_each(opts: dict, signal_bytes: in
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """Writes posted together as one batch: each of at least ``signal_bytes`` is
     signaled (its task resumes when it is done, not when the whole batch is), and with
-    a larger ``signal_bytes`` only the batch's last one is (aiordma.protocol.sendq)."""
+    a larger ``signal_bytes`` only the batch's last one is (aiordma.protocol.engine)."""
     if "aiordma.resources" in native.compiled_modules():
         pytest.skip("stands a recording QP in (a compiled class refuses)")
     size = 64 * 1024

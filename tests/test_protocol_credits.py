@@ -1,10 +1,8 @@
-"""Receive-credit flow control (aiordma.protocol.credits): unit tests and a two-peer
-simulation that models posted receive buffers explicitly."""
+"""Receive-credit flow control (aiordma.protocol.engine's CreditState): unit tests and a
+two-peer simulation that models posted receive buffers explicitly."""
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -12,23 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import aiordma.protocol.credits
 from aiordma.protocol import CreditState, LocalProtocolError, RemoteProtocolError
-
-
-def _source_credit_state() -> type[CreditState]:
-    """CreditState loaded from credits.py: the tests below subclass it, and a class of
-    the native build (``make native``) takes no Python subclasses."""
-    path = pathlib.Path(aiordma.protocol.credits.__file__).with_name("credits.py")
-    spec = importlib.util.spec_from_file_location("aiordma.protocol._credits_source", path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    cls: type[CreditState] = mod.CreditState
-    return cls
-
-
-_SourceCreditState = _source_credit_state()
 
 # -- unit tests ----------------------------------------------------------------------------
 
@@ -406,7 +388,7 @@ def test_idle_connection_sends_nothing() -> None:
     assert all(sum(p.frames_sent.values()) == 0 for p in sim.peers)
 
 
-class NaiveCreditState(_SourceCreditState):
+class NaiveCreditState(CreditState):
     """The tempting rule: any control frame may spend the last credit."""
 
     def can_send_control(self) -> bool:
@@ -443,7 +425,7 @@ def test_reserve_rule_survives_the_same_schedule() -> None:
     assert all(p.to_send == p.ctrl_to_send == 0 and p.received == 4 for p in sim.peers)
 
 
-class UnclampedBatch(_SourceCreditState):
+class UnclampedBatch(CreditState):
     """Re-posts only when every buffer waits: more than rule 6 allows."""
 
     @property

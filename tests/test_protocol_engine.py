@@ -10,9 +10,19 @@ import pytest
 from _engine_sim import EAGER, Port, Waiter, Wire, make_engine
 
 from aiordma.errors import ConnectionClosed, RemoteAccessError
+from aiordma.protocol.engine import (
+    DATA,
+    RNDV,
+    RX_DATA,
+    RX_EOF,
+    RX_RNDV,
+    FrameType,
+    Op,
+    parse_frame,
+    write_close,
+    write_data_header,
+)
 from aiordma.protocol.errors import RemoteProtocolError
-from aiordma.protocol.framing import FrameType, parse_frame, write_close, write_data_header
-from aiordma.protocol.ops import DATA, RNDV, RX_DATA, RX_EOF, RX_RNDV, Op
 from aiordma.protocol.state import Local, Remote, State
 from aiordma.verbs.enums import WCOpcode, WCStatus, WROpcode
 from aiordma.verbs.wr import WC
@@ -142,7 +152,7 @@ def test_a_failed_completion_fails_everything_once() -> None:
 def test_a_rendezvous_announcement_is_read_ahead_into_staging() -> None:
     e, _spool, rpool, port = connected()
     slot = port.recvs[0]
-    from aiordma.protocol.framing import write_rndv
+    from aiordma.protocol.engine import write_rndv
 
     recv_frame(e, rpool, port, slot, lambda buf: write_rndv(buf, 0, 42, 5000, 0xAB00, 0x77))
     (m,) = e.rx.rx
@@ -166,7 +176,7 @@ def test_a_rendezvous_send_completes_on_rndv_done() -> None:
     assert f.type == FrameType.RNDV and f.rndv_addr == 0xC000 and f.rndv_length == 9000
     e.on_send_completion(WC(port.sends[0][0].wr_id, WCStatus.SUCCESS, WCOpcode.SEND))
     assert not w.done()  # the frame is out; the receiver has not read it yet
-    from aiordma.protocol.framing import write_rndv_done
+    from aiordma.protocol.engine import write_rndv_done
 
     recv_frame(e, rpool, port, port.recvs[0], lambda buf: write_rndv_done(buf, 0, f.aux, True))
     assert w.done() and w.exc is None and not e.tx.rndv_out

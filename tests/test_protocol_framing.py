@@ -1,4 +1,4 @@
-"""Frame header writers and parser (aiordma.protocol.framing)."""
+"""Frame header writers and parser (aiordma.protocol.engine)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from aiordma.protocol import (
     write_rndv,
     write_rndv_done,
 )
-from aiordma.protocol.framing import (
+from aiordma.protocol.engine import (
     BATCH_RECORD,
     batch_records,
     write_batch,

@@ -1,10 +1,10 @@
-"""Send-queue accounting with selective signaling (aiordma.protocol.sendq), no loop or provider."""
+"""Send-queue accounting with selective signaling (aiordma.protocol.engine), no loop or provider."""
 
 from __future__ import annotations
 
 import pytest
 
-from aiordma.protocol.sendq import SendQueue
+from aiordma.protocol.engine import SendQueue
 
 
 def test_signals_last_in_batch_interval_and_full_queue() -> None:

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from aiordma.memory import SlotPool
-from aiordma.protocol.slots import Slots
+from aiordma.protocol.engine import Slots
 
 
 def test_slots_hand_out_each_buffer_once_and_take_it_back() -> None:

@@ -48,15 +48,17 @@ def check_archives(dist: pathlib.Path) -> None:
     for want in ("aiordma/py.typed", "aiordma/bench/cli.py", "aiordma/doctor.py",
                  "aiordma/verbs/ibverbs/fastpath.pyx", "aiordma/verbs/ibverbs/fastpath.pxd",
                  "aiordma/verbs/soft/_core.pyx", "aiordma/verbs/soft/_core.pxd",
-                 "aiordma/verbs/soft/_core.pyi", "aiordma/verbs/soft/core_qp.pxi"):
+                 "aiordma/verbs/soft/_core.pyi", "aiordma/verbs/soft/core_qp.pxi",
+                 "aiordma/protocol/engine.pyx", "aiordma/protocol/engine_sender.pxi"):
         if want not in names:
             fail(f"the wheel has no {want}")
     built = [n for n in names if re.fullmatch(r"aiordma/verbs/ibverbs/fastpath\..*\.so", n)]
     if os.path.exists(VERBS_H) and shutil.which("cc") and not built:
         fail(f"{VERBS_H} and a C compiler are here, but the wheel has no compiled data path")
-    if shutil.which("cc") and not any(re.fullmatch(r"aiordma/verbs/soft/_core\..*\.so", n)
-                                      for n in names):
-        fail("a C compiler is here, but the wheel has no soft data path")
+    for ext in ("verbs/soft/_core", "protocol/engine"):
+        if shutil.which("cc") and not any(re.fullmatch(rf"aiordma/{ext}\..*\.so", n)
+                                          for n in names):
+            fail(f"a C compiler is here, but the wheel has no aiordma/{ext} extension")
     lib = native.SHARED_LIB.replace(".", "/")
     if shutil.which("cc") and not any(re.fullmatch(rf"{lib}\..*\.so", n) for n in names):
         fail("a C compiler is here, but the wheel has no mypyc modules")
@@ -87,8 +89,9 @@ def check_installed(checkout: pathlib.Path) -> None:
     build = native.build()
     if os.path.exists(VERBS_H) and shutil.which("cc") and not build.compiled("verbs"):
         fail(f"a source install with a C compiler and {VERBS_H} runs {build}")
-    if shutil.which("cc") and not build.compiled("soft"):
-        fail(f"a source install with a C compiler runs {build}, without the soft data path")
+    if shutil.which("cc") and not (build.compiled("soft") and build.compiled("engine")):
+        fail(f"a source install with a C compiler runs {build}, without the engine or the "
+             "soft data path")
     if shutil.which("cc") and build.modules != "mypyc":
         fail(f"a source install with a C compiler runs {build}, not the mypyc modules")
     print(f"ok: aiordma {aiordma.__version__} installed in {pkg}, typed, MIT, build {build}",

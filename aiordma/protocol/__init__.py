@@ -1,22 +1,33 @@
 """Sans-IO protocol logic of aiordma: no asyncio, no provider, no sockets.
 
-* ``framing``: the 8-byte header of every SEND (DATA, RNDV, RNDV_DONE, CREDIT, CLOSE).
-* ``credits``: receive-credit flow control (no RNR, no deadlock, no CREDIT storms).
+* ``engine``: the message engine, compiled (``engine.pyx``): its parts are the frame
+  header of every SEND (DATA, RNDV, RNDV_DONE, CREDIT, CLOSE, BATCH), receive-credit
+  flow control (no RNR, no deadlock, no CREDIT storms), send-queue accounting, buffer
+  slots, and the sender and receiver.
 * ``handshake``: the versioned out-of-band connection-setup codec.
 * ``state``: the connection state machine (OPEN .. CLOSED / FAILED).
 * ``errors``: ``LocalProtocolError`` (we broke the rules), ``RemoteProtocolError`` (peer did).
 """
 
-from .credits import MIN_SLOTS, CreditState
-from .errors import LocalProtocolError, RemoteProtocolError
-from .framing import (
+try:
+    from . import engine as _engine  # noqa: F401  (compiled: say why when it is missing)
+except ImportError as _exc:
+    from ..native import extension_status
+
+    raise ImportError(f"aiordma's message engine is not built "
+                      f"({extension_status('aiordma.protocol.engine') or _exc}); build it "
+                      "with a C compiler: pip install . or make core") from _exc
+
+from .engine import (
     HEADER,
     HEADER_SIZE,
     MAX_CREDITS,
+    MIN_SLOTS,
     RNDV_BODY,
     RNDV_FAILED,
     RNDV_OK,
     RNDV_SIZE,
+    CreditState,
     Frame,
     FrameType,
     parse_frame,
@@ -26,6 +37,7 @@ from .framing import (
     write_rndv,
     write_rndv_done,
 )
+from .errors import LocalProtocolError, RemoteProtocolError
 from .handshake import (
     Accept,
     HandshakeDecoder,

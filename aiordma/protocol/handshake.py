@@ -36,7 +36,7 @@ from enum import IntEnum
 
 from aiordma.errors import HandshakeError
 
-from .credits import MIN_SLOTS
+from .engine import MIN_SLOTS
 
 __all__ = [
     "MAGIC",

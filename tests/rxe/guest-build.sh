@@ -7,10 +7,13 @@
 # A build the host kept for these sources and this image (run-vm.sh: /run/rxectl/native.tar)
 # is installed instead when it passes the same import check; after a build of its own the
 # guest leaves RESULTS_DIR/native.tar for the host to keep.
-# The mypyc modules (aiordma.native.MODULES) come built: run-vm.sh builds them on the
-# host for this image's Python (tests/rxe/guest_mypyc.py: mypyc and a C compiler under TCG
-# would take longer than the tests) and offers them as /run/rxectl/mypyc.tar; installed
-# last, they must all import compiled. Without that file the mypyc modules run as sources.
+# The mypyc modules (aiordma.native.MODULES) and the Cython extensions that need no
+# system headers (the message engine, the soft data path) come built: run-vm.sh builds
+# them on the host for this image's Python (tests/rxe/guest_mypyc.py: mypyc, Cython and a
+# C compiler under TCG would take longer than the tests) and offers them as
+# /run/rxectl/mypyc.tar; the guest then builds the verbs extension only, and what the
+# host built, installed last, must all import compiled. Without that file the guest
+# builds every Cython extension itself and the mypyc modules run as sources.
 # Usage: guest-build.sh RESULTS_DIR (the build log is left there as build.log).
 set -u
 results=${1:-/tmp}
@@ -31,7 +34,7 @@ cython_build() {
     if [ -s "$kept" ]; then
         # (-m: the files get the time of extraction, newer than this checkout's sources, which
         # the key says they were built from; aiordma.native.stale_modules compares the times)
-        if tar -xmf "$kept" -C /project >> "$results/build.log" 2>&1 && check; then
+        if tar -xmf "$kept" -C /project >> "$results/build.log" 2>&1 && { [ -s "$mypyc" ] || check; }; then
             echo "aiordma-rxe: installed the kept build of these sources (run-vm.sh's native cache)" \
                 | tee -a "$results/build.log"
             return 0
@@ -46,11 +49,15 @@ cython_build() {
     # (build_in_place: the guest's setuptools may be older than pyproject.toml's metadata needs;
     # AIORDMA_MYPYC=0: the guests have no mypy, and mypyc under emulation would take longer
     # than their tests -- the host builds the mypyc modules for them: mypyc_install)
-    if ! AIORDMA_BUILD=compiled AIORDMA_MYPYC=0 python3 -c 'import setup; setup.build_in_place()' >> "$results/build.log" 2>&1; then
+    only=
+    [ -s "$mypyc" ] && only=verbs  # (the host built the others: mypyc_install)
+    if ! AIORDMA_BUILD=compiled AIORDMA_MYPYC=0 AIORDMA_EXTENSIONS=$only \
+            python3 -c 'import setup; setup.build_in_place()' >> "$results/build.log" 2>&1; then
         tail -n 40 "$results/build.log"
         return 1
     fi
-    check || return 1
+    # (aiordma imports only with the engine: with the host's build, mypyc_install checks)
+    [ -s "$mypyc" ] || check || return 1
     echo "aiordma-rxe: built the Cython extensions in $((SECONDS - start)) s (Cython $(python3 -c 'import Cython; print(Cython.__version__)'))" \
         | tee -a "$results/build.log"
     # for the host to keep: the extensions and the build record, paths relative to /project
@@ -66,10 +73,10 @@ mypyc_install() {
         return 0
     fi
     tar -xmf "$mypyc" -C /project >> "$results/build.log" 2>&1 || return 1
-    # the build record: the group is compiled (the guest's own build left it out)
-    python3 -c 'import json, sys; p = "aiordma/_build.json"; d = json.load(open(p)); d["extensions"][sys.argv[1]] = ""; json.dump(d, open(p, "w"), indent=1, sort_keys=True)' \
-        aiordma._native >> "$results/build.log" 2>&1 || return 1
-    python3 -c 'import sys, aiordma.native as n; b = n.build(); print("aiordma-rxe: with the host-built mypyc modules:", b); sys.exit(b.modules != "mypyc")' \
+    # the build record: what the host built is compiled (the guest's own build left it out)
+    python3 -c 'import json, sys, tarfile; p = "aiordma/_build.json"; d = json.load(open(p)); mods = ["aiordma._native"] + [m.name.split(".cpython-")[0].replace("/", ".") for m in tarfile.open(sys.argv[1]) if not m.name.startswith("aiordma/_native")]; d["extensions"].update((m, "") for m in mods if m == "aiordma._native" or m in d["extensions"]); json.dump(d, open(p, "w"), indent=1, sort_keys=True)' \
+        "$mypyc" >> "$results/build.log" 2>&1 || return 1
+    python3 -c 'import sys, aiordma.native as n; b = n.build(); print("aiordma-rxe: with the host-built modules:", b); sys.exit(b.modules != "mypyc" or any(b.extensions.values()))' \
         2>&1 | tee -a "$results/build.log"
     [ "${PIPESTATUS[0]}" = 0 ]
 }

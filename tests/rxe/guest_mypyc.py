@@ -1,15 +1,19 @@
-"""Builds aiordma's mypyc group (``aiordma.native.MODULES``) on the host for a guest
-image's Python, so that the Soft-RoCE guests run the compiled modules as a native install
-does.
+"""Builds aiordma's mypyc group (``aiordma.native.MODULES``) and its Cython extensions
+that need no system headers (``aiordma.native.EXTENSIONS`` without headers: the message
+engine, the soft data path) on the host for a guest image's Python, so that the
+Soft-RoCE guests run the compiled modules as a native install does. (The verbs data
+path needs the guest's rdma-core headers: the guest builds that one, guest-build.sh.)
 
 mypy (mypyc) and a C compiler under TCG would take longer than the guest's tests (the
 group's C is ~16 MB), so the host does both halves for the guest:
 
 1. mypyc translates the modules for the guest's C API version (the emitted C picks type
-   slots and calling conventions by it: ``translate``);
-2. the host's C compiler builds the group's shared library and shims against the guest's
-   own Python headers, read out of the image with ``debugfs`` (e2fsprogs; no mount, no
-   root), with the guest's extension suffix (``.cpython-3XY-x86_64-linux-gnu.so``).
+   slots and calling conventions by it: ``translate``); Cython's C serves every Python
+   version it supports (``cythonize_extensions``: it took 14 minutes under TCG);
+2. the host's C compiler builds the group's shared library and shims, and the Cython
+   extensions, against the guest's own Python headers, read out of the image with
+   ``debugfs`` (e2fsprogs; no mount, no root), with the guest's extension suffix
+   (``.cpython-3XY-x86_64-linux-gnu.so``).
 
 Extension modules do not link libpython, and the host's glibc is no newer than the
 guests' (bookworm's 2.36), so what is built here loads there. guest-build.sh unpacks the
@@ -17,7 +21,8 @@ result in the guest's /project before it builds the Cython extensions, and fails
 ``aiordma.native.build()`` says every module runs compiled.
 
 A build is kept in the cache directory per guest Python and inputs (the modules' sources,
-pyproject.toml, mypy's version, this file); a later run with the same key reuses it.
+the Cython sources, pyproject.toml, mypy's and Cython's versions, this file); a later
+run with the same key reuses it.
 
 Usage: python guest_mypyc.py ROOT_IMG CACHE_DIR OUT_TAR
 Exit status 0 with OUT_TAR written; otherwise 1, with the reason on stderr.
@@ -93,9 +98,25 @@ def repo_setup() -> ModuleType:
     return setup
 
 
+def cython_sources() -> list[tuple[str, str]]:
+    """``(module, .pyx path)`` of the Cython extensions that need no system headers."""
+    return [(mod, src) for mod, src, headers in repo_setup().cython_extensions() if not headers]
+
+
+def cython_inputs(pyx: list[str]) -> list[str]:
+    """Every file the Cython extensions ``pyx`` are made of (their .pyx, .pxd, .pxi)."""
+    out = []
+    for src in pyx:
+        d = os.path.dirname(src)
+        out += [os.path.join(d, f) for f in os.listdir(os.path.join(REPO, d))
+                if f.endswith((".pyx", ".pxd", ".pxi"))]
+    return sorted(set(out))
+
+
 def cache_key(ver: tuple[int, int], sources: list[str]) -> str:
+    import Cython
     import mypy.version
-    h = hashlib.sha256(f"{ver} {mypy.version.__version__}\n".encode())
+    h = hashlib.sha256(f"{ver} {mypy.version.__version__} {Cython.__version__}\n".encode())
     for path in sorted(sources) + ["pyproject.toml", os.path.relpath(__file__, REPO)]:
         with open(os.path.join(REPO, path), "rb") as f:
             h.update(path.encode() + b"\0" + f.read() + b"\0")
@@ -133,6 +154,19 @@ def translate(ver: tuple[int, int], sources: list[str], build_dir: str) -> list[
         sys.version_info = real  # type: ignore[misc]
 
 
+def cythonize_extensions(build_dir: str) -> list[Any]:
+    """The header-less Cython extensions as setuptools extensions whose sources are the C
+    that Cython wrote under ``build_dir``."""
+    from Cython.Build import cythonize
+    from setuptools import Extension
+
+    exts = [Extension(mod, [src], extra_compile_args=["-O2"]) for mod, src in cython_sources()]
+    if not exts:
+        return []
+    return list(cythonize(exts, build_dir=os.path.join(build_dir, "cython"), quiet=True,
+                          compiler_directives={"language_level": 3}))
+
+
 def compile_group(exts: list[Any], includes: list[str], suffix: str, build_dir: str,
                   out_dir: str) -> list[str]:
     """Compiles and links each extension for the guest; returns the built paths relative
@@ -160,7 +194,7 @@ def compile_group(exts: list[Any], includes: list[str], suffix: str, build_dir: 
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         errors = [e for e in pool.map(run, jobs) if e]
     if errors:
-        die("compiling mypyc's C for the guest failed: " + errors[0])
+        die("compiling the C for the guest failed: " + errors[0])
     built = []
     for ext in exts:
         rel = ext.name.replace(".", "/") + suffix
@@ -179,7 +213,7 @@ def build(img: str, ver: tuple[int, int], sources: list[str], tar_path: str) -> 
     with tempfile.TemporaryDirectory(prefix="aiordma-guest-mypyc.") as tmp:
         includes = extract_headers(img, ver, os.path.join(tmp, "guest"))
         build_dir = os.path.join(tmp, "build")
-        exts = translate(ver, sources, build_dir)
+        exts = translate(ver, sources, build_dir) + cythonize_extensions(build_dir)
         out = os.path.join(tmp, "out")
         built = compile_group(exts, includes, suffix, build_dir, out)
         tmp_tar = f"{tar_path}.{os.getpid()}.tmp"  # (two guests may build at once)
@@ -203,8 +237,9 @@ def main(argv: list[str]) -> int:
         die(f"mypy (mypyc) is not installed for {sys.executable}: {exc}")
     ver = guest_python(img)
     sources = list(repo_setup().native_modules())
+    cython_files = cython_inputs([src for _mod, src in cython_sources()])
     os.chdir(REPO)  # mypyc reads pyproject.toml's settings and the module paths from here
-    key = cache_key(ver, sources)
+    key = cache_key(ver, sources + cython_files)
     kept = os.path.join(cache, f"mypyc-{key}.tar")
     if not os.path.exists(kept):
         os.makedirs(cache, exist_ok=True)
@@ -213,8 +248,8 @@ def main(argv: list[str]) -> int:
                      key=lambda p: -os.path.getmtime(os.path.join(cache, p)))
         for p in old[KEEP:]:
             os.unlink(os.path.join(cache, p))
-        print(f"guest_mypyc: built the mypyc modules for Python {ver[0]}.{ver[1]}: {kept}",
-              file=sys.stderr)
+        print(f"guest_mypyc: built the mypyc modules and the Cython extensions without "
+              f"system headers for Python {ver[0]}.{ver[1]}: {kept}", file=sys.stderr)
     else:
         os.utime(kept)
         print(f"guest_mypyc: reusing the kept mypyc build for Python {ver[0]}.{ver[1]}: "

@@ -546,9 +546,10 @@ native_cache_keep() {
 }
 
 # ---- the mypyc modules, built on the host for the guest ----------------------------------
-# guest_mypyc.py builds aiordma.native.MODULES for the image's Python with the host's mypy
-# and C compiler against the guest's Python headers (mypyc under TCG would take longer
-# than the tests), kept in $CACHE_ROOT/SUITE/mypyc per guest Python and sources;
+# guest_mypyc.py builds aiordma.native.MODULES, and the Cython extensions that need no
+# system headers, for the image's Python with the host's mypy, Cython and C compiler
+# against the guest's Python headers (under TCG that would take longer than the tests),
+# kept in $CACHE_ROOT/SUITE/mypyc per guest Python and sources;
 # guest-build.sh installs it. AIORDMA_GUEST_MYPYC: auto (the default: when the host's
 # Python has mypy), 1 (required: the run fails without it; make test-rxe), 0 (never: the
 # guest runs the mypyc modules as sources). AIORDMA_RXE_HOST_PYTHON: the Python with mypy

@@ -1,156 +1,130 @@
-"""The message engine: one connection's data path, sans-IO (no event loop, no provider).
+# The message engine's core (included by engine.pyx): what it asks of its driver, and
+# one connection's state, credits and single failure path.
+#
+# It owns everything an endpoint decides per message: the connection's state
+# (``state.py``, the one source of it), receive credits (engine_credits.pxi), the send
+# queues, posting and signaling (engine_sender.pxi), the receive buffers, received
+# messages and rendezvous reads (engine_receiver.pxi), and the single failure path. Events come in
+# as calls -- a user's request (queued ops), a work completion (``on_send_completion``,
+# ``on_recv_completion``), the peer's credits (in frames) -- and actions go out through
+# its ``port``: work requests to post, buffers to re-post, hints to the completion
+# reactor, the endpoint's lifecycle hooks; waiters (``Waiter``) are resolved with
+# their results. ``Endpoint`` is the asyncio face that turns them into futures.
+#
+# The port (``EnginePort``) is all the engine knows of the outside; the sans-IO tests
+# drive the engine through a recording fake of it.
 
-It owns everything an endpoint decides per message: the connection's state
-(``state.py``, the one source of it), receive credits (``credits.py``), the send
-queues, posting and signaling (``sender.py``), the receive buffers, received messages
-and rendezvous reads (``receiver.py``), and the single failure path. Events come in
-as calls -- a user's request (queued ops), a work completion (``on_send_completion``,
-``on_recv_completion``), the peer's credits (in frames) -- and actions go out through
-its ``port``: work requests to post, buffers to re-post, hints to the completion
-reactor, the endpoint's lifecycle hooks; waiters (``ops.Waiter``) are resolved with
-their results. ``Endpoint`` is the asyncio face that turns them into futures.
-
-The port (``EnginePort``) is all the engine knows of the outside; the sans-IO tests
-drive the engine through a recording fake of it.
-"""
-
-from __future__ import annotations
-
-from collections.abc import Callable
-from typing import Any
-
-from aiordma.errors import (
-    CompletionError,
-    ConnectionClosed,
-    FlushedError,
-    RetryExceededError,
-    RNRRetryExceededError,
-)
-from aiordma.native import mypyc_attr
-
-from .credits import CreditState
-from .errors import RemoteProtocolError
-from .framing import FrameType
-from .ops import RNDV, Waiter, wake
-from .receiver import Receiver
-from .sender import Sender
-from .sendq import SendQueue
-from .slots import Slots
-from .state import ConnectionState, Event, Local, Remote
-
-
-def unexpected(exc: BaseException) -> bool:
+def unexpected(exc):
     """True for a failure worth a warning: a failed operation or a protocol violation,
     not a close, an abort, a flush or the peer gone (retries exhausted)."""
     return isinstance(exc, CompletionError | RemoteProtocolError) and not isinstance(
         exc, RetryExceededError | RNRRetryExceededError | FlushedError)
 
 
-@mypyc_attr(allow_interpreted_subclasses=True)
-class EnginePort:
+cdef class EnginePort:
     """What the engine asks of its driver: a driver subclasses it and implements every
     method (each raises NotImplementedError here). Every method runs synchronously;
     none may call back into the engine except where noted. (A base class rather than a
     Protocol: compiled, the engine's calls to a compiled driver are C calls, where a
     call through a Protocol is a method lookup by name.)"""
 
-    #: True once the endpoint's resources are destroyed (nothing may be posted)
-    destroyed: bool = False
+    # ``destroyed``: True once the endpoint's resources are destroyed (nothing may be
+    # posted)
 
-    def new_send_id(self) -> int:
+    def new_send_id(self):
         """A wr_id for a send WR, larger than every earlier one of this QP."""
         raise NotImplementedError
 
-    def drop_send_id(self, wr_id: int) -> None:
+    def drop_send_id(self, wr_id):
         """``wr_id`` will never complete (not posted, or retired by a later one)."""
         raise NotImplementedError
 
-    def post_send(self, wrs: list[Any]) -> None:
+    def post_send(self, wrs):
         """Post a chain of send WRs. Raises RDMAError (nothing of it was posted)."""
         raise NotImplementedError
 
-    def post_marker(self, wr_id: int) -> None:
+    def post_marker(self, wr_id):
         """Post a signaled zero-length SEND (the flush marker). Raises RDMAError."""
         raise NotImplementedError
 
-    def post_recv(self, slots: list[int]) -> None:
+    def post_recv(self, slots):
         """Post the receive buffers ``slots``. Raises RDMAError (none was posted)."""
         raise NotImplementedError
 
-    def posted(self) -> None:
+    def posted(self):
         """Work was posted (the completion reactor may poll)."""
         raise NotImplementedError
 
-    def expedite(self) -> None:
+    def expedite(self):
         """A frame arrived whose sender waits for its acknowledgement (a burst)."""
         raise NotImplementedError
 
-    def later(self, fn: Callable[[], None]) -> None:
+    def later(self, fn):
         """Call ``fn`` at the end of this loop iteration (may call into the engine)."""
         raise NotImplementedError
 
-    def new_waiter(self, *, quiet: bool = False) -> Waiter:
+    def new_waiter(self, *, quiet=False):
         """A fresh waiter (``quiet``: its failure is not reported when nobody awaits it)."""
         raise NotImplementedError
 
-    def when_done(self, waiter: Waiter, fn: Callable[[bool], None]) -> None:
+    def when_done(self, waiter, fn):
         """Call ``fn(succeeded)`` once ``waiter`` is done (may call into the engine)."""
         raise NotImplementedError
 
-    def set_atomic_target(self, wr: Any, addr: int, lkey: int) -> None:
+    def set_atomic_target(self, wr, addr, lkey):
         """Point atomic ``wr``'s result at the 8 bytes at ``addr``."""
         raise NotImplementedError
 
-    def rndv_source(self, src: Any) -> tuple[int, int, int]:
+    def rndv_source(self, src):
         """``(addr, rkey, length)`` of a rendezvous send's registered source."""
         raise NotImplementedError
 
-    def release_source(self, src: Any) -> None:
+    def release_source(self, src):
         """A rendezvous send's source is no longer needed."""
         raise NotImplementedError
 
-    def lease_staging(self, n: int) -> Any:
+    def lease_staging(self, n):
         """A staging buffer of ``n`` bytes for a READ (has ``view`` and ``release()``)."""
         raise NotImplementedError
 
-    def staging_span(self, staging: Any, n: int) -> Any:
+    def staging_span(self, staging, n):
         """The local span (addr, length, lkey) of ``staging``'s first ``n`` bytes."""
         raise NotImplementedError
 
-    def read_wrs(self, span: Any, length: int, addr: int, rkey: int) -> list[Any]:
+    def read_wrs(self, span, length, addr, rkey):
         """The RDMA READ work requests that move ``length`` bytes into ``span``."""
         raise NotImplementedError
 
-    def qp_to_error(self) -> None:
+    def qp_to_error(self):
         """Move the QP to ERR (ignore a failure to)."""
         raise NotImplementedError
 
-    def on_failed(self, exc: BaseException, unexpected: bool) -> None:
+    def on_failed(self, exc, unexpected):
         """The connection just failed with ``exc`` (after every waiter was failed);
         ``unexpected``: a failed operation or a protocol violation (worth a warning), not
         a close, an abort or the peer gone."""
         raise NotImplementedError
 
-    def check_drained(self) -> None:
+    def check_drained(self):
         """A completion arrived after the failure (the teardown waits for the last)."""
         raise NotImplementedError
 
-    def maybe_closed(self) -> None:
+    def maybe_closed(self):
         """Work finished: a ``close()`` waiting for the pending work may proceed."""
         raise NotImplementedError
 
 
-class MessageEngine:
+cdef class MessageEngine:
     """One connection's data path (module doc). ``connect()`` before sending."""
 
-    def __init__(self, port: EnginePort, *, spool: Slots, rpool: Slots, frame_wrs: list[Any],
-                 eager: int, max_message_size: int, inline_cap: int, send_depth: int,
-                 signal_interval: int, signal_bytes: int, repost_batch: int,
-                 rndv_prefetch: int, busy_ahead: int) -> None:
+    def __init__(self, EnginePort port, *, Slots spool, Slots rpool, list frame_wrs,
+                 int eager, max_message_size, int inline_cap, int send_depth,
+                 int signal_interval, signal_bytes, int repost_batch, rndv_prefetch,
+                 busy_ahead):
         self.port = port
         self.state = ConnectionState()
-        self.credits: CreditState | None = None
-        self.first_error: BaseException | None = None
+        self.credits = None
+        self.first_error = None
         self.eager = eager
         self.eager_payload = eager - 8
         self.max_message_size = max_message_size
@@ -161,8 +135,7 @@ class MessageEngine:
                          SendQueue(send_depth, signal_interval, signal_bytes))
         self.rx = Receiver(self, rpool, 1, rndv_prefetch, busy_ahead)
 
-    def connect(self, peer_credits: int, local_slots: int, peer_eager: int,
-                peer_max_message: int, batching: bool) -> None:
+    def connect(self, peer_credits, local_slots, peer_eager, peer_max_message, batching):
         """The handshake is done: the peer's limits. Raises ValueError (credits)."""
         if peer_eager != self.eager:  # frames must fit the peer's receive buffers
             self.eager = min(self.eager, peer_eager)
@@ -174,18 +147,18 @@ class MessageEngine:
         self.rx.repost_batch = self.credits.repost_batch
 
     # ---------------------------------------------------------------- events
-    def on_send_completion(self, wc: Any) -> None:
+    def on_send_completion(self, wc):
         self.tx.on_wc(wc)
 
-    def on_recv_completion(self, wc: Any, slot: int) -> None:
+    def on_recv_completion(self, wc, slot):
         self.rx.on_wc(wc, slot)
 
-    def shut_wr(self) -> None:
+    def shut_wr(self):
         """No more data from us (``send_eof``/``close`` began); our CLOSE follows."""
         if not self.state.failed:
             self.state.handle(Event.SHUT_WR)
 
-    def queue_close(self, waiter: Waiter, *, final: bool) -> bool:
+    def queue_close(self, waiter, *, final):
         """Queue our CLOSE frame once (it completes ``waiter``); ``final``: nothing is
         sent after it. False when it cannot go (failed, the peer gone): ``waiter`` was
         failed instead."""
@@ -202,7 +175,7 @@ class MessageEngine:
         self.tx.queue_ctrl(FrameType.CLOSE, 0, waiter)
         return True
 
-    def peer_gone(self) -> None:
+    def peer_gone(self):
         """The peer sent CLOSE and then tore its endpoint down. What we received stays
         readable, but nothing can be sent: fail what waits to be posted (sends short of
         credits, one-sided work) or for RNDV_DONE (it would wait forever); nothing more
@@ -212,7 +185,7 @@ class MessageEngine:
             return
         self.state.handle(Event.PEER_GONE)
 
-        def gone() -> ConnectionClosed:
+        def gone():
             return ConnectionClosed("the peer closed the connection")
 
         tx = self.tx
@@ -225,7 +198,7 @@ class MessageEngine:
                 del tx.rndv_out[msg_id]
                 self.port.release_source(op.payload)
 
-    def fail_unacknowledged(self) -> None:
+    def fail_unacknowledged(self):
         """After the peer's CLOSE and teardown, the sends it never acknowledged: their
         waiters fail with ConnectionClosed (their buffers stay pinned until teardown)."""
         if self.state.failed:
@@ -235,13 +208,13 @@ class MessageEngine:
                 op.fut.set_exception(ConnectionClosed("the peer closed the connection"))
 
     # ---------------------------------------------------------------- queries
-    def ops_pending(self) -> bool:
+    def ops_pending(self):
         """Work somebody waits for: posted and awaited, queued, or rendezvous sends
         waiting for RNDV_DONE."""
         tx = self.tx
         return bool(tx.sq.awaited or tx.sendq or tx.oneq or tx.ctrlq or tx.rndv_out)
 
-    def closed_error(self) -> ConnectionClosed:
+    def closed_error(self):
         """The ConnectionClosed for an operation refused or failed now (``__cause__``:
         the first error)."""
         first = self.first_error
@@ -257,7 +230,7 @@ class MessageEngine:
         return ConnectionClosed("endpoint is closed")
 
     # ---------------------------------------------------------------- failure
-    def fail(self, exc: BaseException) -> None:
+    def fail(self, exc):
         """The single failure path: record the first error, QP to ERR, fail every waiter.
         Runs once. Posted WRs complete later with WR_FLUSH_ERR; their buffers stay
         pinned until then."""
@@ -284,7 +257,7 @@ class MessageEngine:
         wake(rx.imm_waiters)
         port.on_failed(exc, unexpected(exc))
 
-    def drain_for_teardown(self) -> None:
+    def drain_for_teardown(self):
         """The QP is destroyed (or about to be): drop every posted entry and release what
         rendezvous held (staging of received messages, our sources)."""
         port = self.port

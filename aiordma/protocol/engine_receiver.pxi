@@ -1,65 +1,44 @@
-"""The receive side of the message engine (sans-IO): posted receive buffers, the frames
-they bring, the queue of messages for the application, and rendezvous READs.
+# The receive side of the message engine (included by engine.pyx): posted receive
+# buffers, the frames they bring, the queue of messages for the application, and
+# rendezvous READs.
+#
+# Every receive completion carries one frame (engine_framing.pxi). DATA and BATCH messages
+# are queued where they landed (their buffer is re-posted once the application consumed
+# the last message in it); a RNDV announcement is queued and its READ started at once
+# when the read-ahead budget allows (``rndv_prefetch`` bytes while nobody receives,
+# ``busy_ahead`` while a receive is in progress, like a TCP receive buffer), else when a
+# receiver asks for it (straight into a registered buffer of its own) or the budget
+# frees up. RNDV_DONE finishes one of our rendezvous sends, CLOSE queues the peer's EOF,
+# CREDIT only returns credits (every frame may carry some).
+#
+# Consumed buffers are re-posted ``repost_batch`` at a time with one post for all of
+# them (engine_credits.pxi rule 6: so few wait that the peer is never left without credit).
 
-Every receive completion carries one frame (``framing.py``). DATA and BATCH messages
-are queued where they landed (their buffer is re-posted once the application consumed
-the last message in it); a RNDV announcement is queued and its READ started at once
-when the read-ahead budget allows (``rndv_prefetch`` bytes while nobody receives,
-``busy_ahead`` while a receive is in progress, like a TCP receive buffer), else when a
-receiver asks for it (straight into a registered buffer of its own) or the budget
-frees up. RNDV_DONE finishes one of our rendezvous sends, CLOSE queues the peer's EOF,
-CREDIT only returns credits (every frame may carry some).
-
-Consumed buffers are re-posted ``repost_batch`` at a time with one post for all of
-them (``credits.py`` rule 6: so few wait that the peer is never left without credit).
-"""
-
-from __future__ import annotations
-
-from collections import deque
-from typing import TYPE_CHECKING, Any, Final
-
-from aiordma.errors import RDMAError, completion_error
-from aiordma.verbs.wr import WC
-
-from .errors import RemoteProtocolError
-from .framing import FrameType, batch_records, parse_frame
-from .ops import RNDV_READ, RX_DATA, RX_EOF, RX_RNDV, Op, Rx, Waiter, wake
-from .slots import Slots
-from .state import Event, Remote
-
-if TYPE_CHECKING:
-    from .engine import MessageEngine
-
-_SUCCESS: Final = 0
-_FLUSHED: Final = 5
-_RECV_RDMA_WITH_IMM: Final = 129  # ibv_wc_opcode IBV_WC_RECV_RDMA_WITH_IMM
+cdef enum:
+    WCOP_RECV_RDMA_WITH_IMM_ = 129  # ibv_wc_opcode IBV_WC_RECV_RDMA_WITH_IMM
 
 
-class Receiver:
+cdef class Receiver:
     """The receive buffers and received messages of one connection.
 
-    ``rpool``: the receive buffers (``view``, ``slot_size``, ``release``; the first two
-    are read once, here: they do not change for the pool's life); the engine's
-    port posts them (``post_recv``). ``rx``: messages for the application, oldest first;
-    ``rx_waiters``/``imm_waiters``: waiters woken when something arrives.
-    """
+    ``rpool``: the receive buffers (``Slots``); the engine's port posts them
+    (``post_recv``). ``rx``: messages for the application, oldest first;
+    ``rx_waiters``/``imm_waiters``: waiters woken when something arrives."""
 
-    def __init__(self, engine: MessageEngine, rpool: Slots, repost_batch: int,
-                 rndv_prefetch: int, busy_ahead: int) -> None:
+    def __init__(self, MessageEngine engine, Slots rpool, int repost_batch, rndv_prefetch,
+                 busy_ahead):
         self.e = engine
         self.rpool = rpool
-        self._rview: memoryview = rpool.view
-        self._rslot: int = rpool.slot_size
+        self._rslot = rpool.slot_size
         self.repost_batch = repost_batch
         self.rndv_prefetch = rndv_prefetch
         self.busy_ahead = busy_ahead
         self.posted = 0  # receive WRs posted and not completed
-        self._repost_q: list[int] = []
-        self.rx: deque[Rx] = deque()
-        self.rx_waiters: list[Waiter] = []
-        self.imm: deque[int] = deque()
-        self.imm_waiters: list[Waiter] = []
+        self._repost_q = []
+        self.rx = deque()
+        self.rx_waiters = []
+        self.imm = deque()
+        self.imm_waiters = []
         self.receivers = 0  # recv/recv_into calls in progress (maintained by the caller)
         self.prefetched = 0  # bytes of rendezvous messages read ahead into staging
         self.deferred = 0  # rendezvous messages queued without a READ (rx.deferred)
@@ -69,132 +48,147 @@ class Receiver:
         self.rndv_staged = 0
 
     # ---------------------------------------------------------------- buffers
-    def post(self, slots: list[int]) -> None:
+    def post(self, list slots):
         """Post receive buffers ``slots`` (one post for all). Raises RDMAError."""
         self.e.port.post_recv(slots)
         self.posted += len(slots)
 
-    def repost(self, slot: int) -> None:
+    def repost(self, int slot):
         """Give a consumed receive buffer back to the peer (one more credit owed)."""
-        e = self.e
-        if e.state.failed or e.port.destroyed:
-            self.rpool.release(slot)
-            return
-        q = self._repost_q
-        q.append(slot)
-        if len(q) >= self.repost_batch:
-            self.flush_reposts()
+        self.repost_c(slot)
 
-    def flush_reposts(self) -> None:
+    cdef int repost_c(self, int slot) except -1:
+        cdef MessageEngine e = self.e
+        if e.state.failed or e.port.destroyed:
+            self.rpool.release_c(slot)
+            return 0
+        self._repost_q.append(slot)
+        if len(self._repost_q) >= self.repost_batch:
+            self.flush_reposts_c()
+        return 0
+
+    def flush_reposts(self):
+        self.flush_reposts_c()
+
+    cdef int flush_reposts_c(self) except -1:
+        cdef MessageEngine e = self.e
+        cdef CreditState credits
         slots = self._repost_q
         if not slots:
-            return
+            return 0
         self._repost_q = []
-        e = self.e
         if e.state.failed or e.port.destroyed:
             for slot in slots:
-                self.rpool.release(slot)
-            return
+                self.rpool.release_c(slot)
+            return 0
         try:
             self.post(slots)
         except RDMAError as exc:
             e.fail(exc)
-            return
+            return 0
         credits = e.credits
         if credits is not None:
-            credits.on_reposted(len(slots))
-            if credits.should_send_credit():
-                e.tx.kick()
+            credits.on_reposted_c(len(slots))
+            if credits.should_send_credit_c():
+                e.tx.kick_c()
+        return 0
 
     # ---------------------------------------------------------------- completions
-    def on_wc(self, wc: WC, slot: int) -> None:
+    def on_wc(self, wc, int slot):
         """The receive completion ``wc`` of buffer ``slot``: the reactor's handler of
         every receive work request."""
-        e = self.e
+        cdef MessageEngine e = self.e
+        cdef CreditState credits
+        cdef frame_t f
+        cdef Py_ssize_t base
+        cdef int ftype
         e.tx.in_tick = False
         self.posted -= 1
-        if wc.status != _SUCCESS:
-            self.rpool.release(slot)
-            if wc.status != _FLUSHED or not e.state.failed:
-                e.fail(completion_error(wc.status, vendor_err=wc.vendor_err, wr_id=wc.wr_id,
+        status = wc.status
+        if status != WC_SUCCESS_:
+            self.rpool.release_c(slot)
+            if status != WC_FLUSHED_ or not e.state.failed:
+                e.fail(completion_error(status, vendor_err=wc.vendor_err, wr_id=wc.wr_id,
                                         opcode=wc.opcode))
             e.port.check_drained()
             return
-        if e.state.failed:
-            self.rpool.release(slot)
+        st = e.state
+        if st.failed:
+            self.rpool.release_c(slot)
             e.port.check_drained()
             return
-        if wc.opcode == _RECV_RDMA_WITH_IMM:
+        if wc.opcode == WCOP_RECV_RDMA_WITH_IMM_:
             self.imm.append(wc.imm_data)
-            wake(self.imm_waiters)
-            self.repost(slot)
+            wake_c(self.imm_waiters)
+            self.repost_c(slot)
             return
-        size = self._rslot
-        base = slot * size
+        base = slot * self._rslot
         credits = e.credits
-        assert credits is not None
         try:
-            frame = parse_frame(self._rview[base: base + size], wc.byte_len,
-                                e.max_message_size)
-            if frame.credits:
-                credits.on_credits(frame.credits)
-            ftype = frame.type
-            if ftype == FrameType.CLOSE:
-                e.state.handle(Event.RECV_CLOSE)
-            elif ftype in (FrameType.DATA, FrameType.BATCH, FrameType.RNDV):
-                e.state.handle(Event.RECV_DATA)
+            if self.rpool.mem == NULL:
+                raise RemoteProtocolError("a frame arrived after the receive buffers went")
+            parse_c(self.rpool.ptr(slot), self._rslot, wc.byte_len, e.max_message_size, &f)
+            if f.credits:
+                credits.on_credits_c(f.credits)
+            ftype = f.type
+            if ftype == T_CLOSE:
+                st.handle(Event.RECV_CLOSE)
+            elif ftype == T_DATA or ftype == T_BATCH or ftype == T_RNDV:
+                if not st.can_receive:  # (else RECV_DATA changes nothing)
+                    st.handle(Event.RECV_DATA)
         except RemoteProtocolError as exc:
-            self.rpool.release(slot)
+            self.rpool.release_c(slot)
             e.fail(exc)
             return
-        if ftype == FrameType.DATA:
-            self.rx.append(Rx(RX_DATA, slot=slot, offset=base + frame.payload_offset,
-                              length=frame.payload_len))
-            wake(self.rx_waiters)
-        elif ftype == FrameType.BATCH:
+        if ftype == T_DATA:
+            self.rx.append(new_rx(R_DATA, slot, base + f.payload_offset, f.payload_len))
+            if self.rx_waiters:
+                wake_c(self.rx_waiters)
+        elif ftype == T_BATCH:
             try:
-                records = batch_records(self._rview[base: base + size], wc.byte_len,
-                                        frame.aux, e.max_message_size)
+                records = batch_records_c(self.rpool.ptr(slot), wc.byte_len, f.aux,
+                                          e.max_message_size)
             except RemoteProtocolError as exc:
-                self.rpool.release(slot)
+                self.rpool.release_c(slot)
                 e.fail(exc)
                 return
             # one buffer, many messages: the last one's consumption re-posts it
             rxq = self.rx
             last = len(records) - 1
             for i, (off, n) in enumerate(records):
-                rxq.append(Rx(RX_DATA, slot if i == last else -1, base + off, n))
-            wake(self.rx_waiters)
+                rxq.append(new_rx(R_DATA, slot if i == last else -1, base + off, n))
+            wake_c(self.rx_waiters)
             # a burst: the sender waits for this frame's acknowledgement to send more,
             # and no answer will carry it soon
             e.port.expedite()
-        elif ftype == FrameType.RNDV:
-            self._on_rndv(Rx(RX_RNDV, length=frame.rndv_length, addr=frame.rndv_addr,
-                             rkey=frame.rndv_rkey, msg_id=frame.aux), slot)
-        elif ftype == FrameType.RNDV_DONE:
-            self.repost(slot)
-            op = e.tx.rndv_out.pop(frame.aux, None)
+        elif ftype == T_RNDV:
+            rx = Rx(R_RNDV, length=f.rndv_length, addr=f.rndv_addr, rkey=f.rndv_rkey,
+                    msg_id=f.aux)
+            self._on_rndv(rx, slot)
+        elif ftype == T_RNDV_DONE:
+            self.repost_c(slot)
+            op = e.tx.rndv_out.pop(f.aux, None)
             if op is None:
-                e.fail(RemoteProtocolError(f"RNDV_DONE for unknown message {frame.aux}"))
+                e.fail(RemoteProtocolError(f"RNDV_DONE for unknown message {f.aux}"))
                 return
             e.port.release_source(op.payload)
             if op.fut is not None and not op.fut.done():
                 op.fut.set_result(None)
             e.port.maybe_closed()
-        elif ftype == FrameType.CLOSE:
-            self.rx.append(Rx(RX_EOF))
-            self.repost(slot)
-            wake(self.rx_waiters)
-            wake(self.imm_waiters)
+        elif ftype == T_CLOSE:
+            self.rx.append(new_rx(R_EOF, -1, 0, 0))
+            self.repost_c(slot)
+            wake_c(self.rx_waiters)
+            wake_c(self.imm_waiters)
         else:  # CREDIT
-            self.repost(slot)
+            self.repost_c(slot)
         tx = e.tx
         if tx.sendq or tx.ctrlq:
-            tx.pump()
+            tx.pump_c()
 
-    def _on_rndv(self, rx: Rx, slot: int) -> None:
+    def _on_rndv(self, rx, slot):
         self.rx.append(rx)
-        self.repost(slot)
+        self.repost_c(slot)
         if self.rx_waiters:
             wake(self.rx_waiters)  # the waiting receiver picks the destination
         elif self.prefetched + rx.length <= (self.busy_ahead if self.receivers
@@ -209,15 +203,15 @@ class Receiver:
             self.deferred += 1
 
     # ---------------------------------------------------------------- consuming
-    def consume_data(self, rx: Rx) -> None:
+    def consume_data(self, Rx rx):
         """The application took DATA message ``rx`` (the receive queue's head)."""
         self.rx.popleft()
         self.messages_received += 1
         self.bytes_received += rx.length
         if rx.slot >= 0:  # -1: a BATCH message whose buffer a later one re-posts
-            self.repost(rx.slot)
+            self.repost_c(rx.slot)
 
-    def consume_rndv(self, rx: Rx) -> None:
+    def consume_rndv(self, Rx rx):
         """The application took rendezvous message ``rx``: release its staging, tell the
         sender (RNDV_DONE) unless that went already."""
         self.rx.popleft()
@@ -232,7 +226,7 @@ class Receiver:
             self.e.tx.queue_ctrl(FrameType.RNDV_DONE, rx.msg_id)
 
     # ---------------------------------------------------------------- rendezvous reads
-    def start_read(self, rx: Rx, span: Any) -> Waiter:
+    def start_read(self, rx, span):
         """Queue the READ of rendezvous message ``rx`` into ``span`` (a LocalSpan: addr,
         length, lkey) or a staging lease; returns the waiter of its completion."""
         e = self.e
@@ -252,21 +246,21 @@ class Receiver:
         rx.read = fut
         wrs = port.read_wrs(target, rx.length, rx.addr, rx.rkey)
         tx = e.tx
-        for wr in wrs[:-1]:
-            tx.oneq.append(Op(RNDV_READ, None, wr=wr, keep=target))
-        tx.oneq.append(Op(RNDV_READ, fut, wr=wrs[-1], keep=target))
+        last = len(wrs) - 1
+        for i, wr in enumerate(wrs):
+            tx.oneq.append(Op(K_RNDV_READ, fut if i == last else None, wr=wr, keep=target))
         tx.kick()
         if rx.staging is not None:
             port.when_done(fut, lambda ok: self._staged(rx, ok))
         return fut
 
-    def _staged(self, rx: Rx, ok: bool) -> None:
+    def _staged(self, rx, ok):
         """The message is in our staging buffer: release the sender's source now."""
         if ok and not rx.done_sent:
             rx.done_sent = True
             self.e.tx.queue_ctrl(FrameType.RNDV_DONE, rx.msg_id)
 
-    def read_ahead(self, limit: int) -> None:
+    def read_ahead(self, limit):
         """READ the deferred rendezvous messages into staging, in order, while the staged
         bytes stay within ``limit``."""
         for rx in self.rx:
@@ -277,7 +271,7 @@ class Receiver:
                     return
                 self.start_read(rx, None)
 
-    def receive_done(self) -> None:
+    def receive_done(self):
         """A recv/recv_into call ended (``receivers`` already lowered): with nobody
         receiving, read ahead what was deferred, at the end of this loop iteration (an
         application that receives again at once gets it READ into its buffer instead)."""
@@ -285,7 +279,7 @@ class Receiver:
             self._prefetch_scheduled = True
             self.e.port.later(self._prefetch_deferred)
 
-    def _prefetch_deferred(self) -> None:
+    def _prefetch_deferred(self):
         self._prefetch_scheduled = False
         st = self.e.state
         if self.receivers or st.failed or st.remote is Remote.GONE:

@@ -1,0 +1,151 @@
+# cython: language_level=3
+# The message engine, compiled (engine.pyx and the engine_*.pxi files it includes): its
+# C-level declarations, for the module itself and for compiled drivers.
+
+from libc.stdint cimport int64_t, uint8_t, uint16_t, uint32_t, uint64_t
+
+
+cdef class Slots:
+    cdef readonly object view
+    cdef readonly object base
+    cdef readonly object lkey
+    cdef readonly int slot_size
+    cdef readonly int count
+    cdef unsigned char *mem      # the view's memory (NULL once forgotten)
+    cdef Py_ssize_t _size
+    cdef int *_free              # a stack of free slot indices
+    cdef int _nfree
+    cdef unsigned char *_used
+    cdef int acquire_c(self) noexcept     # -1: none free
+    cdef int release_c(self, int i) except -1
+    cdef inline unsigned char *ptr(self, int i) noexcept
+
+
+cdef class CreditState:
+    cdef int _peer_credits
+    cdef int _held
+    cdef int _initial_peer
+    cdef int _local_slots
+    cdef int _owed
+    cdef int _repost_batch
+    cdef int _reserve
+    cdef int _threshold
+    cpdef bint can_send_data(self) except -1
+    cpdef bint can_send_control(self) except -1
+    cdef int consume_c(self, bint control) except -1
+    cdef int consume_close_c(self) except -1
+    cdef int on_credits_c(self, int n) except -1
+    cdef int on_reposted_c(self, int n) except -1
+    cdef int take_piggyback_c(self) noexcept
+    cdef bint should_send_credit_c(self) noexcept
+
+
+cdef class Op:
+    cdef public int kind
+    cdef public object fut
+    cdef public object slot
+    cdef public object keep
+    cdef public object wr
+    cdef public object payload
+    cdef public object msg_id
+    cdef public bint posted
+
+
+cdef class Rx:
+    cdef public int kind
+    cdef public int slot
+    cdef public Py_ssize_t offset
+    cdef public Py_ssize_t length
+    cdef public object addr
+    cdef public object rkey
+    cdef public object msg_id
+    cdef public object read
+    cdef public object staging
+    cdef public bint done_sent
+    cdef public bint deferred
+
+
+ctypedef struct sq_entry_t:
+    uint64_t wr_id
+    void *op          # the op (a reference held while queued)
+
+
+cdef class SendQueue:
+    cdef readonly int depth
+    cdef readonly int signal_interval
+    cdef readonly int signal_bytes
+    cdef sq_entry_t *_q
+    cdef int _head
+    cdef int _n
+    cdef int _since_signal
+    cdef int64_t _bytes_since
+    cdef int64_t _last_signaled
+    cdef bint push_c(self, uint64_t wr_id, object op, bint last_in_batch, int64_t nbytes) except -1
+    cdef int count_to(self, uint64_t wr_id) noexcept
+    cdef object pop_c(self, uint64_t *wr_id)
+
+
+cdef class EnginePort:
+    # (the driver's methods are Python methods: a driver written in Python overrides them)
+    cdef public bint destroyed
+
+
+cdef class Sender:
+    cdef MessageEngine e
+    cdef public Slots spool
+    cdef public list frame_wrs
+    cdef public SendQueue sq
+    cdef public object ctrlq
+    cdef public object oneq
+    cdef public object sendq
+    cdef public dict rndv_out
+    cdef uint32_t _msg_ids
+    cdef public bint in_tick
+    cdef bint _pump_scheduled
+    cdef public long messages_batched
+    cdef public long work_requests_posted
+    cdef int kick_c(self) except -1
+    cdef int pump_c(self) except -1
+    cdef int _post(self, list batch) except -1
+    cdef object _frame_wr(self, Op op, int nbytes)
+    cdef int _build_data(self, Op op) except -1
+    cdef int finish_c(self, Op op, object wc, object exc) except -1
+
+
+cdef class Receiver:
+    cdef MessageEngine e
+    cdef public Slots rpool
+    cdef Py_ssize_t _rslot
+    cdef public int repost_batch
+    cdef public int64_t rndv_prefetch
+    cdef public int64_t busy_ahead
+    cdef public long posted
+    cdef list _repost_q
+    cdef public object rx
+    cdef public list rx_waiters
+    cdef public object imm
+    cdef public list imm_waiters
+    cdef public int receivers
+    cdef public int64_t prefetched
+    cdef public int deferred
+    cdef bint _prefetch_scheduled
+    cdef public long messages_received
+    cdef public int64_t bytes_received
+    cdef public long rndv_staged
+    cdef int repost_c(self, int slot) except -1
+    cdef int flush_reposts_c(self) except -1
+
+
+cdef class MessageEngine:
+    cdef public EnginePort port
+    cdef public object state
+    cdef public CreditState credits
+    cdef public object first_error
+    cdef public int eager
+    cdef public int eager_payload
+    cdef public int64_t max_message_size
+    cdef public int inline_cap
+    cdef public bint batching
+    cdef int _repost_batch_asked
+    cdef public Sender tx
+    cdef public Receiver rx

@@ -1,0 +1,56 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+"""The message engine, compiled: one connection's data path, sans-IO (no event loop, no
+provider), with its per-message state in C.
+
+One extension module; its parts are the ``engine_*.pxi`` files it includes, one reason
+to change each (``engine.pxd`` declares their C-level interface, ``engine.pyi`` the
+Python one):
+
+* ``engine_slots``    -- ``Slots``: fixed-size buffer slots of one region (a C free stack)
+* ``engine_credits``  -- ``CreditState``: receive-credit flow control (its rules)
+* ``engine_framing``  -- the 8-byte frame header of every SEND: writers and the parser
+* ``engine_ops``      -- ``Op`` and ``Rx``: the records of operations and received messages
+* ``engine_sendq``    -- ``SendQueue``: send-queue accounting with selective signaling
+* ``engine_sender``   -- ``Sender``: the send queues, what to post when, send completions
+* ``engine_receiver`` -- ``Receiver``: receive buffers, frames, messages, rendezvous reads
+* ``engine_core``     -- ``EnginePort`` (what the engine asks of its driver) and
+  ``MessageEngine`` (state, credits, the single failure path)
+
+Without a build of it (a C compiler: ``pip install .``, ``make core``) aiordma cannot
+run: ``aiordma.native.build()`` says why it was not built.
+"""
+
+from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
+from cpython.bytes cimport PyBytes_FromStringAndSize
+from cpython.ref cimport Py_DECREF, Py_INCREF
+from libc.stdint cimport int64_t, uint8_t, uint16_t, uint32_t, uint64_t
+from libc.stdlib cimport calloc, free, malloc
+from libc.string cimport memcpy, memset
+
+import itertools
+import struct
+from collections import deque
+from enum import IntEnum
+from typing import Protocol
+
+from aiordma.errors import (
+    CompletionError,
+    ConnectionClosed,
+    FlushedError,
+    RDMAError,
+    RetryExceededError,
+    RNRRetryExceededError,
+    completion_error,
+)
+
+from .errors import LocalProtocolError, RemoteProtocolError
+from .state import ConnectionState, Event, Local, Remote
+
+include "engine_slots.pxi"
+include "engine_credits.pxi"
+include "engine_framing.pxi"
+include "engine_ops.pxi"
+include "engine_sendq.pxi"
+include "engine_core.pxi"
+include "engine_sender.pxi"
+include "engine_receiver.pxi"

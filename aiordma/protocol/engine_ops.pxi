@@ -1,0 +1,122 @@
+# The records of the message engine (included by engine.pyx): operations to post,
+# messages received, and what the engine asks of the waiters it completes.
+#
+# A **waiter** is whatever the engine's user waits on (an ``asyncio.Future`` in the
+# endpoint; a plain recorder in the sans-IO tests): the engine only looks at ``done()``
+# and calls ``set_result``/``set_exception`` once, so it never touches an event loop.
+
+cimport cython
+
+# op kinds (BATCH: several DATA ops sent as one BATCH frame; its payload lists them)
+DATA = 0
+RNDV = 1
+CTRL = 2
+WRITE = 3
+READ = 4
+ATOMIC = 5
+IMM = 6
+RNDV_READ = 7
+BATCH = 8
+cdef enum:
+    K_DATA = 0
+    K_RNDV = 1
+    K_CTRL = 2
+    K_WRITE = 3
+    K_READ = 4
+    K_ATOMIC = 5
+    K_IMM = 6
+    K_RNDV_READ = 7
+    K_BATCH = 8
+
+# received message kinds
+RX_DATA = 0
+RX_RNDV = 1
+RX_EOF = 2
+cdef enum:
+    R_DATA = 0
+    R_RNDV = 1
+    R_EOF = 2
+
+
+class Waiter(Protocol):
+    """What the engine completes: resolved at most once."""
+
+    def done(self) -> bool: ...
+
+    def set_result(self, result, /) -> None: ...
+
+    def set_exception(self, exception, /) -> None: ...
+
+
+@cython.freelist(64)
+cdef class Op:
+    """One operation on the send side: queued, then posted as one work request.
+
+    ``wr`` is the provider's work request (a ``SendWR``: the engine sets its ``wr_id``
+    and signaled flag and reads its SGE lengths); ``slot`` the eager send buffer a
+    frame occupies; ``keep`` what must stay alive until the completion; ``payload``
+    the bytes of a DATA op (until copied), the source of a RNDV op, the members of a
+    BATCH op or ``(frame type, arg)`` of a CTRL op."""
+
+    def __init__(self, int kind, fut, payload=None, *, wr=None, keep=None, msg_id=0):
+        self.kind = kind
+        self.fut = fut
+        self.slot = None
+        self.keep = keep
+        self.wr = wr
+        self.payload = payload
+        self.msg_id = msg_id
+        self.posted = False
+
+    def __repr__(self):
+        return f"<Op kind={self.kind} slot={self.slot} posted={self.posted}>"
+
+
+@cython.freelist(64)
+cdef class Rx:
+    """A received message waiting for the application (the receive queue's head).
+
+    DATA: ``offset``/``length`` in the receive pool, ``slot`` the buffer to re-post
+    once consumed (-1 for all but the last message of a BATCH). RNDV: the sender's
+    ``addr``/``rkey``/``length`` and ``msg_id``; ``read`` the waiter of its READ once
+    started, ``staging`` the buffer it lands in (None: the receiver's own),
+    ``deferred`` not read ahead on arrival (the read-ahead budget was spent)."""
+
+    def __init__(self, int kind, int slot=-1, Py_ssize_t offset=0, Py_ssize_t length=0, *,
+                 addr=0, rkey=0, msg_id=0):
+        self.kind = kind
+        self.slot = slot
+        self.offset = offset
+        self.length = length
+        self.addr = addr
+        self.rkey = rkey
+        self.msg_id = msg_id
+        self.read = None
+        self.staging = None
+        self.done_sent = False
+        self.deferred = False
+
+
+cdef inline Rx new_rx(int kind, int slot, Py_ssize_t offset, Py_ssize_t length):
+    """An Rx without the constructor's argument parsing (the data path's)."""
+    cdef Rx rx = Rx.__new__(Rx)
+    rx.kind = kind
+    rx.slot = slot
+    rx.offset = offset
+    rx.length = length
+    rx.addr = 0
+    rx.rkey = 0
+    rx.msg_id = 0
+    return rx
+
+
+def wake(list waiters):
+    """Resolve every waiter of ``waiters`` (with None) and empty the list."""
+    wake_c(waiters)
+
+
+cdef inline void wake_c(list waiters) except *:
+    for w in waiters:
+        if not w.done():
+            w.set_result(None)
+    del waiters[:]

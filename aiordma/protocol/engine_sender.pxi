@@ -1,0 +1,447 @@
+# The send side of the message engine (included by engine.pyx): queued operations,
+# what to post when, the frames, and what each send completion finishes.
+#
+#
+# Three queues feed the send queue of the QP, in this order at every pump: control
+# frames (CLOSE, RNDV_DONE, CREDIT), one-sided work (READ, WRITE, atomics, the READs of
+# rendezvous receives), then two-sided messages (DATA, RNDV, WRITE_WITH_IMM and the
+# WRITE pieces before it). Each takes send-queue room; frames take an eager send buffer
+# and a receive credit of the peer (engine_credits.pxi: CLOSE has its own, control frames
+# may use the reserve). A pump posts everything it can as one chain.
+#
+# Posting policy (``kick``): post at once (the latency fast path) unless something was
+# posted that way since the last completion came in; then post at the end of this loop
+# iteration, everything queued meanwhile together (batching: a burst of sends woken by
+# one completion shares work requests and BATCH frames).
+#
+# Signaling (``_post``): the last operation somebody waits for is signaled (every one
+# before it completes with it), plus what ``SendQueue.push`` asks for. Frames nobody
+# waits for (RNDV, whose sender waits for RNDV_DONE; CREDIT; RNDV_DONE) go unsignaled
+# after it, until our CLOSE: a later signaled WR retires them, and a failed one
+# completes anyway.
+
+# ibv_send_flags / ibv_wc_status values (verbs enums; protocol/ imports no provider)
+SIGNALED = 2
+INLINE = 8
+cdef enum:
+    F_SIGNALED = 2
+    F_INLINE = 8
+    WC_SUCCESS_ = 0
+    WC_FLUSHED_ = 5
+    WC_RETRY_EXC_ = 12
+    WC_RNR_RETRY_EXC_ = 13
+
+
+
+cdef class Sender:
+    """The send queues of one connection and their posting (see above).
+
+    ``spool``: the eager send buffers (``Slots``); ``frame_wrs``: one reusable SEND work
+    request per buffer (a provider ``SendWR`` with one SGE: the engine sets its length,
+    flags and wr_id)."""
+
+    def __init__(self, MessageEngine engine, Slots spool, list frame_wrs, SendQueue sq):
+        self.e = engine
+        self.spool = spool
+        self.frame_wrs = frame_wrs
+        self.sq = sq
+        self.ctrlq = deque()
+        self.oneq = deque()
+        self.sendq = deque()
+        self.rndv_out = {}  # msg_id -> its RNDV op, until RNDV_DONE
+        self._msg_ids = 0
+        self.in_tick = False  # the post fast path was used since the last completion
+        self._pump_scheduled = False
+        self.messages_batched = 0
+        self.work_requests_posted = 0
+
+    def next_msg_id(self):
+        self._msg_ids += 1
+        return self._msg_ids
+
+    @property
+    def queued(self):
+        return len(self.sendq) + len(self.oneq) + len(self.ctrlq)
+
+    # ---------------------------------------------------------------- posting
+    def kick(self):
+        """Post now, or at the end of this loop iteration (posting policy, above).
+        ``in_tick`` marks the fast path as used; a completion (the loop turned) or the
+        end-of-iteration pump clears it, so no callback per request is needed."""
+        self.kick_c()
+
+    cdef int kick_c(self) except -1:
+        if self._pump_scheduled:
+            return 0
+        if self.in_tick:
+            self._pump_scheduled = True
+            self.e.port.later(self._pump_soon)
+        else:
+            self.in_tick = True
+            self.pump_c()
+        return 0
+
+    def _pump_soon(self):
+        self._pump_scheduled = False
+        self.in_tick = False
+        self.pump_c()
+
+    def pump(self):
+        """Post as much queued work as send-queue room, buffers and credits allow."""
+        self.pump_c()
+
+    cdef int pump_c(self) except -1:
+        cdef MessageEngine e = self.e
+        cdef CreditState credits = e.credits
+        cdef Slots spool = self.spool
+        cdef int room
+        cdef Op op
+        cdef int kind
+        st = e.state
+        if st.failed or st.remote is Remote.GONE or credits is None:
+            return 0
+        batch = []
+        room = self.sq.depth - self.sq._n
+        while self.ctrlq and room > len(batch) and spool._nfree:
+            op = self.ctrlq[0]
+            if op.payload[0] == T_CLOSE:
+                credits.consume_close_c()  # its credit is held for it: never waits
+            elif credits.can_send_control():
+                credits.consume_c(True)
+            else:
+                break
+            self.ctrlq.popleft()
+            self._build_ctrl(op)
+            batch.append(op)
+        while self.oneq and room > len(batch):
+            op = self.oneq[0]
+            if op.kind == K_ATOMIC:
+                if not spool._nfree:
+                    break
+                op.slot = spool.acquire_c()
+                e.port.set_atomic_target(op.wr, spool.base + op.slot * spool.slot_size,
+                                         spool.lkey)
+            self.oneq.popleft()
+            batch.append(op)
+        while self.sendq and room > len(batch) and credits.can_send_data():
+            op = self.sendq[0]
+            kind = op.kind
+            if kind == K_DATA or kind == K_RNDV:
+                if not spool._nfree:
+                    break
+                self.sendq.popleft()
+                credits.consume_c(False)
+                if kind == K_RNDV:
+                    self._build_rndv(op)
+                elif e.batching and self.sendq and (<Op>self.sendq[0]).kind == K_DATA:
+                    op = self._build_batch(op)
+                else:
+                    self._build_data(op)
+            else:  # IMM takes a credit; WRITE (a leading piece of a long one) none
+                self.sendq.popleft()
+                if kind == K_IMM:
+                    credits.consume_c(False)
+            batch.append(op)
+        final_close = st.final and st.local is Local.CLOSE_SENT
+        if (credits.should_send_credit_c() and room > len(batch) and spool._nfree
+                and not final_close):
+            op = Op(K_CTRL, None, payload=(FrameType.CREDIT, 0))
+            credits.consume_c(True)
+            self._build_ctrl(op)
+            batch.append(op)
+        if batch:
+            self._post(batch)
+        return 0
+
+    cdef object _frame_wr(self, Op op, int nbytes):
+        """The SEND of the frame in ``op``'s slot (that slot's WR; ``_post`` sets wr_id
+        and the signaled flag)."""
+        wr = self.frame_wrs[<int>op.slot]
+        wr.sg_list[0].length = nbytes
+        wr.send_flags = F_INLINE if nbytes <= self.e.inline_cap else 0
+        return wr
+
+    cdef int _build_data(self, Op op) except -1:
+        cdef CreditState credits = self.e.credits
+        cdef Slots spool = self.spool
+        cdef int slot = spool.acquire_c()
+        cdef Py_buffer src
+        cdef unsigned char *p
+        cdef Py_ssize_t n
+        if slot < 0:
+            raise RuntimeError("no send buffer (the pump checks)")
+        op.slot = slot
+        p = spool.ptr(slot)
+        PyObject_GetBuffer(op.payload, &src, PyBUF_SIMPLE)
+        n = src.len
+        if C_HEADER_SIZE + n > spool.slot_size:
+            PyBuffer_Release(&src)
+            spool.release_c(slot)
+            op.slot = None
+            raise LocalProtocolError(f"a {n}-byte message does not fit a "
+                                     f"{spool.slot_size}-byte send buffer")
+        frame_write(p, T_DATA, 0, credits.take_piggyback_c(), <uint32_t>n)
+        memcpy(p + C_HEADER_SIZE, src.buf, n)
+        PyBuffer_Release(&src)
+        op.payload = None  # copied: the caller's buffer is free
+        op.wr = self._frame_wr(op, C_HEADER_SIZE + n)
+        return 0
+
+    def _build_batch(self, Op first):
+        """Pack ``first`` and the DATA ops after it on the send queue that fit into one
+        BATCH frame; returns the op to post (``first`` itself when only it fits)."""
+        cdef Op op
+        sendq = self.sendq
+        room = self.e.eager - HEADER_SIZE - BATCH_RECORD - len(first.payload)
+        members = [first]
+        while sendq:
+            op = sendq[0]
+            if op.kind != K_DATA:
+                break
+            room -= BATCH_RECORD + len(op.payload)
+            if room < 0:
+                break
+            members.append(sendq.popleft())
+        if len(members) == 1:
+            self._build_data(first)
+            return first
+        credits = self.e.credits
+        self.messages_batched += len(members)
+        carrier = Op(K_BATCH, None, payload=members)
+        slot = carrier.slot = self.spool.acquire()
+        buf = self.spool.slot(slot)
+        n = write_batch(buf, credits.take_piggyback(), [m.payload for m in members])
+        for op in members:
+            op.payload = None  # copied: the caller's buffer is free
+        carrier.wr = self._frame_wr(carrier, n)
+        return carrier
+
+    def _build_rndv(self, Op op):
+        credits = self.e.credits
+        op.slot = self.spool.acquire()
+        addr, rkey, length = self.e.port.rndv_source(op.payload)
+        buf = self.spool.slot(op.slot)
+        n = write_rndv(buf, credits.take_piggyback(), op.msg_id, length, addr, rkey)
+        self.rndv_out[op.msg_id] = op
+        op.wr = self._frame_wr(op, n)
+
+    def _build_ctrl(self, Op op):
+        credits = self.e.credits
+        op.slot = self.spool.acquire()
+        ftype, arg = op.payload
+        buf = self.spool.slot(op.slot)
+        piggyback = credits.take_piggyback()
+        if ftype == T_RNDV_DONE:
+            n = write_rndv_done(buf, piggyback, arg, True)
+        elif ftype == T_CLOSE:
+            n = write_close(buf, piggyback)
+        else:
+            n = write_credit(buf, piggyback)
+        op.wr = self._frame_wr(op, n)
+
+    cdef int _post(self, list batch) except -1:
+        """Post ``batch`` in one call, signaled as the comment above says."""
+        cdef MessageEngine e = self.e
+        cdef int last = len(batch) - 1, i
+        cdef Op op, m
+        cdef CreditState credits = e.credits
+        cdef bint signal
+        cdef int64_t nbytes
+        port = e.port
+        if credits is not None and credits._held:  # our CLOSE is not sent
+            while last >= 0:
+                op = batch[last]
+                if op.kind == K_RNDV or (op.kind == K_CTRL and op.payload[0] != T_CLOSE):
+                    last -= 1
+                else:
+                    break
+        wrs = []
+        for i in range(len(batch)):
+            op = batch[i]
+            wr = op.wr
+            wr_id = port.new_send_id()
+            wr.wr_id = wr_id
+            sg = wr.sg_list
+            if len(sg) == 1:
+                nbytes = sg[0].length
+            else:
+                nbytes = 0
+                for s in sg:
+                    nbytes += s.length
+            signal = self.sq.push_c(wr_id, op, i == last, nbytes)
+            flags = int(wr.send_flags)
+            wr.send_flags = (flags | F_SIGNALED) if signal else (flags & ~F_SIGNALED)
+            op.posted = True
+            if op.kind == K_BATCH:
+                for m in op.payload:
+                    m.posted = True
+            wrs.append(wr)
+        self.work_requests_posted += len(wrs)
+        try:
+            port.post_send(wrs)
+        except RDMAError as exc:
+            for wr in wrs:
+                port.drop_send_id(wr.wr_id)
+            for _wr_id, op in self.sq.drain():
+                self.finish_c(op, None, exc)
+            e.fail(exc)
+            return 0
+        for i in range(len(batch)):
+            op = batch[i]
+            if op.slot is not None and op.wr is not None and int(op.wr.send_flags) & F_INLINE:
+                self.spool.release_c(<int>op.slot)  # inline: the device copied it at post
+                op.slot = None
+        port.posted()
+        return 0
+
+    def queue_ctrl(self, ftype, arg, fut=None):
+        """Queue a control frame (CLOSE completes ``fut``) and post what can go."""
+        if self.e.state.failed:
+            return
+        self.ctrlq.append(Op(K_CTRL, fut, payload=(ftype, arg)))
+        self.kick_c()
+
+    @staticmethod
+    def unqueue(q, op):
+        try:
+            q.remove(op)
+        except ValueError:
+            pass
+
+    # ---------------------------------------------------------------- completions
+    def on_wc(self, wc, _arg=None):
+        """A send completion (the provider's ``WC``): the reactor's handler of every
+        send work request."""
+        cdef SendQueue sq = self.sq
+        cdef int k = sq.count_to(wc.wr_id), i
+        cdef uint64_t entry_id
+        cdef MessageEngine e = self.e
+        cdef Op op
+        if not k:
+            self.in_tick = False
+            return
+        # One finished send (a round trip): the next one may go at once. Several (a
+        # window of senders wakes up): what they send next is batched at the end of
+        # the iteration instead of the first going alone.
+        port = e.port
+        if k == 1:
+            op = sq.pop_c(&entry_id)
+            self.in_tick = op.kind == K_BATCH
+            self.finish_c(op, wc, None)
+        else:
+            # (taken off first: finishing one may post, or fail and drain the queue)
+            entries = []
+            for i in range(k):
+                op = sq.pop_c(&entry_id)
+                entries.append((entry_id, op))
+            self.in_tick = True
+            for i in range(k - 1):
+                entry_id, op = entries[i]
+                port.drop_send_id(entry_id)
+                self.finish_c(op, None, None)
+            self.finish_c(entries[k - 1][1], wc, None)
+        if e.state.failed:
+            port.check_drained()
+        elif self.sendq or self.oneq or self.ctrlq:
+            self.pump_c()
+        port.maybe_closed()
+
+    def finish(self, Op op, wc, exc):
+        """Complete ``op``: ``wc`` None means an unsignaled success; ``exc`` a local error."""
+        self.finish_c(op, wc, exc)
+
+    cdef int finish_c(self, Op op, object wc, object exc) except -1:
+        cdef Slots spool = self.spool
+        cdef Op m
+        cdef int slot
+        cdef bint ok = wc is None or wc.status == WC_SUCCESS_
+        old = 0
+        if op.slot is not None:
+            slot = op.slot
+            if op.kind == K_ATOMIC and exc is None and ok:
+                old = _get64(spool.ptr(slot))
+            spool.release_c(slot)
+            op.slot = None
+        if exc is None and not ok:
+            exc = self._op_error(wc)
+        fut = op.fut
+        if op.kind == K_BATCH:
+            for m in op.payload:
+                if m.fut is not None and not m.fut.done():
+                    if exc is None:
+                        m.fut.set_result(None)
+                    else:
+                        m.fut.set_exception(exc)
+            return 0
+        if op.kind == K_RNDV:
+            if exc is not None:
+                self.rndv_out.pop(op.msg_id, None)
+                self.e.port.release_source(op.payload)
+                if fut is not None and not fut.done():
+                    fut.set_exception(exc)
+            return 0  # success: the user's waiter completes on RNDV_DONE
+        if fut is None or fut.done():
+            return 0
+        if exc is not None:
+            fut.set_exception(exc)
+        elif op.kind == K_ATOMIC:
+            fut.set_result(old)
+        else:
+            fut.set_result(None)
+        return 0
+
+    def _op_error(self, wc):
+        """The exception for an op whose completion failed; fails the connection."""
+        e = self.e
+        err = completion_error(wc.status, vendor_err=wc.vendor_err, wr_id=wc.wr_id,
+                               opcode=wc.opcode)
+        if wc.status == WC_FLUSHED_:
+            if not e.state.failed:
+                e.fail(err)
+            return e.closed_error()
+        first = e.first_error is None
+        e.fail(err)
+        if int(wc.status) in (WC_RETRY_EXC_, WC_RNR_RETRY_EXC_) or not first:
+            return e.closed_error()
+        return err
+
+    # ---------------------------------------------------------------- failure
+    def posted_ops(self):
+        """The ops on the send queue, the messages of BATCH frames listed one by one."""
+        out = []
+        for _wr_id, op in self.sq.entries():
+            if op.kind == K_BATCH:
+                out.extend(op.payload)
+            else:
+                out.append(op)
+        return out
+
+    def fail_queued(self, error):
+        """Drop every operation not posted yet (control, one-sided and send queues):
+        release its rendezvous source and fail its waiter with ``error()``."""
+        for q in (self.ctrlq, self.oneq, self.sendq):
+            while q:
+                op = q.popleft()
+                if op.kind == K_RNDV:
+                    self.e.port.release_source(op.payload)
+                if op.fut is not None and not op.fut.done():
+                    op.fut.set_exception(error())
+
+    def post_flush_marker(self):
+        """The QP is in ERR. Unsignaled WRs after the last signaled one (frames nobody
+        waits for) may have finished without a completion: a signaled zero-length SEND
+        posted now is flushed after every one of them, so its completion retires them
+        and the drain waits for exactly that (the marker WR of the teardown order)."""
+        sq = self.sq
+        if not sq.used or sq.awaited or not sq.room:
+            return
+        port = self.e.port
+        wr_id = port.new_send_id()
+        try:
+            port.post_marker(wr_id)
+        except RDMAError:  # the QP is gone: the teardown destroys it without waiting
+            port.drop_send_id(wr_id)
+            return
+        self.work_requests_posted += 1
+        sq.push(wr_id, Op(K_CTRL, None, payload=(FrameType.CREDIT, 0)), last_in_batch=True)
+
