@@ -44,6 +44,7 @@ from typing import Any, ClassVar, Final, TypeVar
 
 from .errors import CQOverrunError, RDMAError, completion_error
 from .poll_schedule import DEFAULT_MODE, DEFAULT_SPIN_US, MODES, PollSchedule, poll_settings
+from .protocol.engine import WR_ENGINE, MessageEngine, poll_dispatch
 from .verbs import CQ, WC, CompChannel, Context, WCStatus
 
 __all__ = ["CQReactor", "future_handler", "poll_settings", "MODES", "DEFAULT_MODE",
@@ -60,7 +61,7 @@ class _CQSlot:
     """One CQ, its channel, and the capacity reserved on it."""
 
     __slots__ = ("cq", "channel", "capacity", "reserved", "unacked", "fd", "progress_fd",
-                 "progress", "flush_scheduled", "armed")
+                 "progress", "flush_scheduled", "armed", "c_ops")
 
     def __init__(self, cq: CQ, channel: CompChannel, capacity: int) -> None:
         self.cq = cq
@@ -73,6 +74,7 @@ class _CQSlot:
         self.progress: Callable[..., int] | None = None
         self.flush_scheduled = False
         self.armed = False  # req_notify'd since its last event (see _arm_idle)
+        self.c_ops: Any = cq.c_ops()  # its C-level poll, where the provider has one
 
 
 def future_handler(wc: WC, fut: asyncio.Future[WC]) -> None:
@@ -108,6 +110,7 @@ class CQReactor:
         self.cq_size = cq_size
         self._slots: list[_CQSlot] = []
         self._table: dict[int, tuple[Handler, Any]] = {}
+        self._engines: dict[int, MessageEngine] = {}  # qp_num -> engine (its own wr_ids)
         self._next_wr_id = 1
         self.closed = False
         self._expedite = False
@@ -182,6 +185,16 @@ class CQReactor:
         self._next_wr_id = wr_id + 1
         self._table[wr_id] = (handler, arg)
         return wr_id
+
+    def attach_engine(self, qp_num: int, engine: MessageEngine) -> None:
+        """Completions of QP ``qp_num`` whose wr_id the engine made (``WR_ENGINE``) go to
+        ``engine``: in C where the CQ has a C-level poll (``poll_dispatch``), else as
+        ``engine.on_completion(wc)``."""
+        self._engines[qp_num] = engine
+
+    def detach_engine(self, qp_num: int) -> None:
+        """Forget QP ``qp_num``'s engine (its later completions are unknown wr_ids)."""
+        self._engines.pop(qp_num, None)
 
     def unregister(self, wr_id: int) -> None:
         """Forget a wr_id that was never posted (post refused)."""
@@ -303,6 +316,8 @@ class CQReactor:
         short batch instead of polling once more (a poll returns fewer than asked only
         when the CQ is empty)."""
         total = 0
+        if slot.c_ops is not None:
+            return self._drain_c(slot, until_empty)
         poll = slot.cq.poll
         while True:
             self.polls += 1
@@ -318,6 +333,29 @@ class CQReactor:
             if not until_empty and len(wcs) < _POLL_BATCH:
                 return total
 
+    def _drain_c(self, slot: _CQSlot, until_empty: bool) -> int:
+        """``_drain`` through the CQ's C-level poll: the engines' completions are
+        dispatched in C (``poll_dispatch``), any other one as a ``WC``."""
+        total = 0
+        self.dispatching = True
+        try:
+            while True:
+                self.polls += 1
+                try:
+                    n = poll_dispatch(slot.cq, slot.c_ops, self._engines, _POLL_BATCH,
+                                      self._dispatch_one, self._handler_raised)
+                except CQOverrunError as exc:
+                    self._fail_all(exc)
+                    return total
+                if not n:
+                    return total
+                total += n
+                self.completions += n
+                if not until_empty and n < _POLL_BATCH:
+                    return total
+        finally:
+            self.dispatching = False
+
     def drain_cq(self, cq: CQ) -> int:
         """Poll ``cq`` until empty now, dispatching what it holds; returns the count."""
         for slot in self._slots:
@@ -326,26 +364,38 @@ class CQReactor:
         return 0
 
     def _dispatch(self, wcs: list[WC]) -> None:
-        table = self._table
         self.completions += len(wcs)
         self.dispatching = True
         try:
             for wc in wcs:
-                wr_id = wc.wr_id
-                entry = table.get(wr_id)  # (get and del: C calls; dict.pop is a method call)
-                if entry is None:
-                    self.unknown_wr_ids += 1
-                    continue
-                del table[wr_id]
                 try:
-                    entry[0](wc, entry[1])
+                    if wc.wr_id & WR_ENGINE:
+                        engine = self._engines.get(wc.qp_num)
+                        if engine is not None:
+                            engine.on_completion(wc)
+                            continue
+                    self._dispatch_one(wc)
                 except Exception as exc:  # a bug in a handler must not stop the dispatch
-                    self.loop.call_exception_handler({
-                        "message": "aiordma: completion handler raised",
-                        "exception": exc,
-                    })
+                    self._handler_raised(exc)
         finally:
             self.dispatching = False
+
+    def _dispatch_one(self, wc: WC) -> None:
+        """The handler registered for ``wc``'s wr_id (``register``), if any."""
+        table = self._table
+        wr_id = wc.wr_id
+        entry = table.get(wr_id)  # (get and del: C calls; dict.pop is a method call)
+        if entry is None:
+            self.unknown_wr_ids += 1
+            return
+        del table[wr_id]
+        entry[0](wc, entry[1])
+
+    def _handler_raised(self, exc: BaseException) -> None:
+        self.loop.call_exception_handler({
+            "message": "aiordma: completion handler raised",
+            "exception": exc,
+        })
 
     # -- the poll mode (poll_schedule.py) -----------------------------------------------
     @property

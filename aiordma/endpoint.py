@@ -99,6 +99,7 @@ class Endpoint:
         self._one = OneSided(self)
         self._rcv = Receiving(self)
         res.bind(self._engine.tx.on_wc, self._engine.rx.on_wc, self._life)
+        res.attach(self._engine)
         self.qp_num = res.qp.qp_num
         device.watch_qp(self.qp_num, self._on_async_event, loop)
         self._psn = secrets.randbelow(1 << 24)  # unpredictable, as a NIC's initial PSN

@@ -27,7 +27,7 @@ from .errors import RDMAError
 from .memory import LocalSpan, RegionTable, SlotPool, Staging, StagingCache
 from .native import mypyc_attr
 from .options import EndpointOptions
-from .protocol.engine import EnginePort, Waiter
+from .protocol.engine import EnginePort, MessageEngine, Waiter
 from .verbs import (
     MTU,
     SGE,
@@ -134,6 +134,14 @@ class Resources(EnginePort):
         self._on_send = on_send
         self._on_recv = on_recv
         self.hooks = hooks
+
+    def attach(self, engine: MessageEngine) -> None:
+        """Where the QP has C-level posts (``QP.c_ops``), ``engine`` posts through them,
+        with wr_ids of its own, and the reactor hands it their completions."""
+        ops = self.qp.c_ops()
+        if ops is not None:
+            engine.use_qp(self.qp, ops)
+            self.reactor.attach_engine(self.qp.qp_num, engine)
 
     # ---------------------------------------------------------------- connecting
     def connect(self, gid: bytes, lid: int, qp_num: int, psn: int, mtu: int, gid_index: int,
@@ -260,6 +268,7 @@ class Resources(EnginePort):
         self.device.holders.discard(self)
         if hasattr(self, "qp"):
             self.device.unwatch_qp(self.qp.qp_num)
+            self.reactor.detach_engine(self.qp.qp_num)
         if hasattr(self, "regions"):
             for region in self.regions.regions():
                 region.close()

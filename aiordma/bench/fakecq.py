@@ -80,6 +80,10 @@ class FakeCQ:
             hook()
         return out
 
+    def c_ops(self) -> None:
+        """No C-level poll (``api.CQ.c_ops``): the reactor polls it in Python."""
+        return None
+
     def req_notify(self, solicited_only: bool = False) -> None:
         self.armed = True
 

@@ -12,7 +12,7 @@
 try:
     from . import engine as _engine  # noqa: F401  (compiled: say why when it is missing)
 except ImportError as _exc:
-    from ..native import extension_status
+    from aiordma.native import extension_status
 
     raise ImportError(f"aiordma's message engine is not built "
                       f"({extension_status('aiordma.protocol.engine') or _exc}); build it "

@@ -4,6 +4,8 @@
 
 from libc.stdint cimport int64_t, uint8_t, uint16_t, uint32_t, uint64_t
 
+from aiordma.verbs.cverbs cimport c_qp_ops_t, c_recv_wr_t, c_send_wr_t, c_wc_t
+
 
 cdef class Slots:
     cdef readonly object view
@@ -12,6 +14,8 @@ cdef class Slots:
     cdef readonly int slot_size
     cdef readonly int count
     cdef unsigned char *mem      # the view's memory (NULL once forgotten)
+    cdef uint64_t base_addr      # ``base`` and ``lkey`` as C integers
+    cdef uint32_t lkey_c
     cdef Py_ssize_t _size
     cdef int *_free              # a stack of free slot indices
     cdef int _nfree
@@ -49,6 +53,7 @@ cdef class Op:
     cdef public object payload
     cdef public object msg_id
     cdef public bint posted
+    cdef public int nbytes       # a frame's length (the C path builds no SendWR for it)
 
 
 cdef class Rx:
@@ -104,6 +109,11 @@ cdef class Sender:
     cdef bint _pump_scheduled
     cdef public long messages_batched
     cdef public long work_requests_posted
+    cdef c_send_wr_t *_cwrs      # the C path's chain (the send queue's depth of them)
+    cdef uint64_t _wr_seq
+    cdef int on_wc_c(self, const c_wc_t *wc) except -1
+    cdef int _post_c(self, list batch, int last) except -1
+    cdef int _post_marker_c(self) except -1
     cdef int kick_c(self) except -1
     cdef int pump_c(self) except -1
     cdef int _post(self, list batch) except -1
@@ -132,6 +142,9 @@ cdef class Receiver:
     cdef public long messages_received
     cdef public int64_t bytes_received
     cdef public long rndv_staged
+    cdef c_recv_wr_t *_crwrs     # the C path's chain (one per receive buffer)
+    cdef int on_wc_c(self, const c_wc_t *wc, int slot) except -1
+    cdef int _on_frame(self, int slot, int opcode, uint32_t imm, Py_ssize_t byte_len) except -1
     cdef int repost_c(self, int slot) except -1
     cdef int flush_reposts_c(self) except -1
 
@@ -149,3 +162,5 @@ cdef class MessageEngine:
     cdef int _repost_batch_asked
     cdef public Sender tx
     cdef public Receiver rx
+    cdef object _qp              # the QP the C path posts to (None: the port's methods)
+    cdef c_qp_ops_t *_qp_ops

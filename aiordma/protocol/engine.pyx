@@ -15,6 +15,8 @@ Python one):
 * ``engine_receiver`` -- ``Receiver``: receive buffers, frames, messages, rendezvous reads
 * ``engine_core``     -- ``EnginePort`` (what the engine asks of its driver) and
   ``MessageEngine`` (state, credits, the single failure path)
+* ``engine_cpath``    -- the C path: posting to a QP's C-level operations and taking a
+  CQ's completions as C structs (``verbs/cverbs.pxd``), the engine's own wr_ids
 
 Without a build of it (a C compiler: ``pip install .``, ``make core``) aiordma cannot
 run: ``aiordma.native.build()`` says why it was not built.
@@ -22,10 +24,21 @@ run: ``aiordma.native.build()`` says why it was not built.
 
 from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
 from cpython.bytes cimport PyBytes_FromStringAndSize
+from cpython.pycapsule cimport PyCapsule_GetPointer
 from cpython.ref cimport Py_DECREF, Py_INCREF
 from libc.stdint cimport int64_t, uint8_t, uint16_t, uint32_t, uint64_t
 from libc.stdlib cimport calloc, free, malloc
 from libc.string cimport memcpy, memset
+
+from aiordma.verbs.cverbs cimport (
+    CCQ_OPS,
+    CQP_OPS,
+    c_cq_ops_t,
+    c_qp_ops_t,
+    c_recv_wr_t,
+    c_send_wr_t,
+    c_wc_t,
+)
 
 import itertools
 import struct
@@ -42,6 +55,8 @@ from aiordma.errors import (
     RNRRetryExceededError,
     completion_error,
 )
+from aiordma.verbs.enums import WCOpcode, WCStatus
+from aiordma.verbs.wr import WC
 
 from .errors import LocalProtocolError, RemoteProtocolError
 from .state import ConnectionState, Event, Local, Remote
@@ -54,3 +69,4 @@ include "engine_sendq.pxi"
 include "engine_core.pxi"
 include "engine_sender.pxi"
 include "engine_receiver.pxi"
+include "engine_cpath.pxi"

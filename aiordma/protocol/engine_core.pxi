@@ -146,6 +146,22 @@ cdef class MessageEngine:
                                    repost_batch=self._repost_batch_asked)
         self.rx.repost_batch = self.credits.repost_batch
 
+    def use_qp(self, qp, ops):
+        """Post to ``qp`` through its C-level operations (``ops``: its ``c_ops()``
+        capsule) from now on: the C path (engine_cpath.pxi). Call before anything is
+        posted; its completions then come through ``poll_dispatch`` (or
+        ``on_completion``)."""
+        cdef c_qp_ops_t *o = <c_qp_ops_t *>PyCapsule_GetPointer(ops, CQP_OPS)
+        self._qp = qp
+        self._qp_ops = o
+
+    def on_completion(self, wc):
+        """A completion (a ``WC``) of one of the engine's own wr_ids (its C path)."""
+        if wc.wr_id & WR_ENGINE and wc.wr_id & (1 << 62):
+            self.rx.on_wc(wc, wc.wr_id & 0xFFFFFFFF)
+        else:
+            self.tx.on_wc(wc)
+
     # ---------------------------------------------------------------- events
     def on_send_completion(self, wc):
         self.tx.on_wc(wc)

@@ -67,6 +67,7 @@ cdef class Op:
         self.payload = payload
         self.msg_id = msg_id
         self.posted = False
+        self.nbytes = 0
 
     def __repr__(self):
         return f"<Op kind={self.kind} slot={self.slot} posted={self.posted}>"

@@ -46,12 +46,38 @@ cdef class Receiver:
         self.messages_received = 0
         self.bytes_received = 0
         self.rndv_staged = 0
+        self._crwrs = <c_recv_wr_t *>calloc(rpool.count, sizeof(c_recv_wr_t))
+        if self._crwrs == NULL:
+            raise MemoryError()
+
+    def __dealloc__(self):
+        free(self._crwrs)
 
     # ---------------------------------------------------------------- buffers
     def post(self, list slots):
-        """Post receive buffers ``slots`` (one post for all). Raises RDMAError."""
-        self.e.port.post_recv(slots)
-        self.posted += len(slots)
+        """Post receive buffers ``slots`` (one post for all). Raises RDMAError (then
+        none was posted, and the slots are free again)."""
+        cdef MessageEngine e = self.e
+        cdef Slots rpool = self.rpool
+        cdef int i, n = len(slots), slot
+        cdef c_recv_wr_t *w
+        if e._qp_ops == NULL:
+            e.port.post_recv(slots)
+        else:
+            for i in range(n):
+                slot = slots[i]
+                w = &self._crwrs[i]
+                w.wr_id = WR_ENGINE_C | WR_RECV_C | <uint64_t>slot
+                w.addr = rpool.base_addr + <uint64_t>slot * rpool.slot_size
+                w.length = rpool.slot_size
+                w.lkey = rpool.lkey_c
+            try:
+                e._qp_ops.post_recv(e._qp, self._crwrs, n)
+            except RDMAError:
+                for slot in slots:
+                    rpool.release_c(slot)
+                raise
+        self.posted += n
 
     def repost(self, int slot):
         """Give a consumed receive buffer back to the peer (one more credit owed)."""
@@ -98,10 +124,6 @@ cdef class Receiver:
         """The receive completion ``wc`` of buffer ``slot``: the reactor's handler of
         every receive work request."""
         cdef MessageEngine e = self.e
-        cdef CreditState credits
-        cdef frame_t f
-        cdef Py_ssize_t base
-        cdef int ftype
         e.tx.in_tick = False
         self.posted -= 1
         status = wc.status
@@ -112,22 +134,41 @@ cdef class Receiver:
                                         opcode=wc.opcode))
             e.port.check_drained()
             return
+        self._on_frame(slot, wc.opcode, wc.imm_data, wc.byte_len)
+
+    cdef int on_wc_c(self, const c_wc_t *wc, int slot) except -1:
+        """``on_wc`` for a completion as a C struct (a failed one goes through ``on_wc``
+        as a ``WC``)."""
+        if wc.status != WC_SUCCESS_:
+            self.on_wc(make_wc(wc), slot)
+            return 0
+        self.e.tx.in_tick = False
+        self.posted -= 1
+        return self._on_frame(slot, wc.opcode, wc.imm_data, wc.byte_len)
+
+    cdef int _on_frame(self, int slot, int opcode, uint32_t imm, Py_ssize_t byte_len) except -1:
+        """A receive completed successfully: the frame in buffer ``slot``."""
+        cdef MessageEngine e = self.e
+        cdef CreditState credits
+        cdef frame_t f
+        cdef Py_ssize_t base
+        cdef int ftype
         st = e.state
         if st.failed:
             self.rpool.release_c(slot)
             e.port.check_drained()
-            return
-        if wc.opcode == WCOP_RECV_RDMA_WITH_IMM_:
-            self.imm.append(wc.imm_data)
+            return 0
+        if opcode == WCOP_RECV_RDMA_WITH_IMM_:
+            self.imm.append(imm)
             wake_c(self.imm_waiters)
             self.repost_c(slot)
-            return
+            return 0
         base = slot * self._rslot
         credits = e.credits
         try:
             if self.rpool.mem == NULL:
                 raise RemoteProtocolError("a frame arrived after the receive buffers went")
-            parse_c(self.rpool.ptr(slot), self._rslot, wc.byte_len, e.max_message_size, &f)
+            parse_c(self.rpool.ptr(slot), self._rslot, byte_len, e.max_message_size, &f)
             if f.credits:
                 credits.on_credits_c(f.credits)
             ftype = f.type
@@ -139,19 +180,19 @@ cdef class Receiver:
         except RemoteProtocolError as exc:
             self.rpool.release_c(slot)
             e.fail(exc)
-            return
+            return 0
         if ftype == T_DATA:
             self.rx.append(new_rx(R_DATA, slot, base + f.payload_offset, f.payload_len))
             if self.rx_waiters:
                 wake_c(self.rx_waiters)
         elif ftype == T_BATCH:
             try:
-                records = batch_records_c(self.rpool.ptr(slot), wc.byte_len, f.aux,
+                records = batch_records_c(self.rpool.ptr(slot), byte_len, f.aux,
                                           e.max_message_size)
             except RemoteProtocolError as exc:
                 self.rpool.release_c(slot)
                 e.fail(exc)
-                return
+                return 0
             # one buffer, many messages: the last one's consumption re-posts it
             rxq = self.rx
             last = len(records) - 1
@@ -170,7 +211,7 @@ cdef class Receiver:
             op = e.tx.rndv_out.pop(f.aux, None)
             if op is None:
                 e.fail(RemoteProtocolError(f"RNDV_DONE for unknown message {f.aux}"))
-                return
+                return 0
             e.port.release_source(op.payload)
             if op.fut is not None and not op.fut.done():
                 op.fut.set_result(None)
@@ -185,6 +226,7 @@ cdef class Receiver:
         tx = e.tx
         if tx.sendq or tx.ctrlq:
             tx.pump_c()
+        return 0
 
     def _on_rndv(self, rx, slot):
         self.rx.append(rx)

@@ -54,6 +54,13 @@ cdef class Sender:
         self._pump_scheduled = False
         self.messages_batched = 0
         self.work_requests_posted = 0
+        self._wr_seq = 0
+        self._cwrs = <c_send_wr_t *>calloc(sq.depth, sizeof(c_send_wr_t))
+        if self._cwrs == NULL:
+            raise MemoryError()
+
+    def __dealloc__(self):
+        free(self._cwrs)
 
     def next_msg_id(self):
         self._msg_ids += 1
@@ -155,7 +162,10 @@ cdef class Sender:
 
     cdef object _frame_wr(self, Op op, int nbytes):
         """The SEND of the frame in ``op``'s slot (that slot's WR; ``_post`` sets wr_id
-        and the signaled flag)."""
+        and the signaled flag); None on the C path, which builds it from ``nbytes``."""
+        op.nbytes = nbytes
+        if self.e._qp_ops != NULL:
+            return None
         wr = self.frame_wrs[<int>op.slot]
         wr.sg_list[0].length = nbytes
         wr.send_flags = F_INLINE if nbytes <= self.e.inline_cap else 0
@@ -255,6 +265,8 @@ cdef class Sender:
                     last -= 1
                 else:
                     break
+        if e._qp_ops != NULL:
+            return self._post_c(batch, last)
         wrs = []
         for i in range(len(batch)):
             op = batch[i]
@@ -292,6 +304,104 @@ cdef class Sender:
                 self.spool.release_c(<int>op.slot)  # inline: the device copied it at post
                 op.slot = None
         port.posted()
+        return 0
+
+    cdef int _post_c(self, list batch, int last) except -1:
+        """``_post`` on the C path: the chain as C work requests (frames from their
+        slots, one-sided work from its ``SendWR``), posted through the QP's C-level
+        operations, with the engine's own wr_ids."""
+        cdef MessageEngine e = self.e
+        cdef Slots spool = self.spool
+        cdef int i, n = len(batch), flags
+        cdef Op op, m
+        cdef c_send_wr_t *w
+        cdef bint signal
+        for i in range(n):
+            op = batch[i]
+            w = &self._cwrs[i]
+            self._wr_seq += 1
+            w.wr_id = WR_ENGINE_C | self._wr_seq
+            if op.wr is None:  # a frame in its send slot
+                w.opcode = 2  # IBV_WR_SEND
+                w.addr = spool.base_addr + <uint64_t>(<int>op.slot) * spool.slot_size
+                w.length = op.nbytes
+                w.lkey = spool.lkey_c
+                w.imm_data = w.rkey = 0
+                w.remote_addr = w.compare_add = w.swap = 0
+                flags = F_INLINE if op.nbytes <= e.inline_cap else 0
+            else:
+                flags = c_send_wr_of(op.wr, w) & ~F_SIGNALED
+            signal = self.sq.push_c(w.wr_id, op, i == last, w.length)
+            w.send_flags = (flags | F_SIGNALED) if signal else flags
+            op.posted = True
+            if op.kind == K_BATCH:
+                for m in op.payload:
+                    m.posted = True
+        self.work_requests_posted += n
+        try:
+            e._qp_ops.post_send(e._qp, self._cwrs, n)
+        except RDMAError as exc:
+            for _wr_id, op in self.sq.drain():
+                self.finish_c(op, None, exc)
+            e.fail(exc)
+            return 0
+        for i in range(n):
+            op = batch[i]
+            if op.slot is not None and self._cwrs[i].send_flags & F_INLINE:
+                spool.release_c(<int>op.slot)  # inline: the device copied it at post time
+                op.slot = None
+        e.port.posted()
+        return 0
+
+    cdef int _post_marker_c(self) except -1:
+        """``post_flush_marker`` on the C path."""
+        cdef MessageEngine e = self.e
+        cdef c_send_wr_t *w = &self._cwrs[0]
+        memset(w, 0, sizeof(c_send_wr_t))
+        self._wr_seq += 1
+        w.wr_id = WR_ENGINE_C | self._wr_seq
+        w.opcode = 2  # IBV_WR_SEND, no SGE
+        w.send_flags = F_SIGNALED
+        try:
+            e._qp_ops.post_send(e._qp, w, 1)
+        except RDMAError:  # the QP is gone: the teardown destroys it without waiting
+            return 0
+        self.work_requests_posted += 1
+        self.sq.push_c(w.wr_id, Op(K_CTRL, None, payload=(FrameType.CREDIT, 0)), True, 0)
+        return 0
+
+    cdef int on_wc_c(self, const c_wc_t *wc) except -1:
+        """``on_wc`` for a completion as a C struct (a failed one goes through ``on_wc``
+        as a ``WC``)."""
+        cdef SendQueue sq = self.sq
+        cdef int k, i
+        cdef uint64_t entry_id
+        cdef MessageEngine e = self.e
+        cdef Op op
+        if wc.status != WC_SUCCESS_:
+            self.on_wc(make_wc(wc))
+            return 0
+        k = sq.count_to(wc.wr_id)
+        if not k:
+            self.in_tick = False
+            return 0
+        if k == 1:
+            op = sq.pop_c(&entry_id)
+            self.in_tick = op.kind == K_BATCH
+            self.finish_c(op, None, None)
+        else:
+            entries = []
+            for i in range(k):
+                entries.append(sq.pop_c(&entry_id))
+            self.in_tick = True
+            for op in entries:
+                self.finish_c(op, None, None)
+        port = e.port
+        if e.state.failed:
+            port.check_drained()
+        elif self.sendq or self.oneq or self.ctrlq:
+            self.pump_c()
+        port.maybe_closed()
         return 0
 
     def queue_ctrl(self, ftype, arg, fut=None):
@@ -434,6 +544,9 @@ cdef class Sender:
         and the drain waits for exactly that (the marker WR of the teardown order)."""
         sq = self.sq
         if not sq.used or sq.awaited or not sq.room:
+            return
+        if self.e._qp_ops != NULL:
+            self._post_marker_c()
             return
         port = self.e.port
         wr_id = port.new_send_id()

@@ -32,6 +32,8 @@ cdef class Slots:
         self.view = view
         self.base = base
         self.lkey = lkey
+        self.base_addr = base
+        self.lkey_c = lkey
         self.slot_size = slot_size
         self.count = count
         self._free = <int *>malloc(count * sizeof(int))

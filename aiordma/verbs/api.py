@@ -239,6 +239,11 @@ class CQ(abc.ABC):
     def poll(self, n: int = 16) -> list[WC]:
         """Up to ``n`` completions, oldest first; ``[]`` when empty. Raises CQOverrunError."""
 
+    def c_ops(self) -> Any:
+        """The CQ's C-level poll (``verbs/cverbs.pxd``: a PyCapsule named ``CCQ_OPS``),
+        for compiled callers; None where the provider has none (the default)."""
+        return None
+
     @abc.abstractmethod
     def req_notify(self, solicited_only: bool = False) -> None:
         """Arm: one channel event for the next completion added after this call."""
@@ -289,6 +294,11 @@ class QP(abc.ABC):
     @abc.abstractmethod
     def post_recv(self, wrs: list[RecvWR]) -> None:
         """Post a chain of receive WRs. Raises PostError."""
+
+    def c_ops(self) -> Any:
+        """The QP's C-level posts (``verbs/cverbs.pxd``: a PyCapsule named ``CQP_OPS``),
+        for compiled callers; None where the provider has none (the default)."""
+        return None
 
     @abc.abstractmethod
     def close(self) -> None:

@@ -11,6 +11,8 @@
 from cpython.pythread cimport PyThread_type_lock
 from libc.stdint cimport int64_t, uint8_t, uint16_t, uint32_t, uint64_t
 
+from aiordma.verbs.cverbs cimport c_cq_ops_t, c_qp_ops_t, c_recv_wr_t, c_send_wr_t, c_wc_t
+
 
 # --- the wire header (core_wire.pxi; wire.py documents the format) ---------------------
 ctypedef struct hdr_t:
@@ -160,7 +162,7 @@ cdef class SoftCQ:
     cdef dict _qps
     cdef public bint _closed
     cdef void push(self, const cqe_t *e, SoftQP qp, bint solicited)
-    cdef int poll_c(self, cqe_t *out, int n) except -1
+    cdef int poll_c(self, c_wc_t *out, int n) except -1
     cdef void _clear(self)
 
 

@@ -24,6 +24,7 @@ compiled callers use the C-level API of ``_core.pxd`` instead.
 """
 
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
+from cpython.pycapsule cimport PyCapsule_New
 from cpython.buffer cimport PyBUF_SIMPLE, PyBUF_WRITABLE, PyBuffer_Release, PyObject_GetBuffer
 from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
 from cpython.object cimport PyObject
@@ -41,6 +42,16 @@ from libc.errno cimport EAGAIN, EINTR, errno
 from libc.stdint cimport int64_t, uint8_t, uint16_t, uint32_t, uint64_t, uintptr_t
 from libc.stdlib cimport calloc, free, malloc
 from libc.string cimport memcpy, memmove, memset
+
+from aiordma.verbs.cverbs cimport (
+    CCQ_OPS,
+    CQP_OPS,
+    c_cq_ops_t,
+    c_qp_ops_t,
+    c_recv_wr_t,
+    c_send_wr_t,
+    c_wc_t,
+)
 
 import collections
 import errno as _errno

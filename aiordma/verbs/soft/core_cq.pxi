@@ -349,35 +349,48 @@ cdef class SoftCQ:
             self._qps[qp] = n
 
     # --- consumer side ----------------------------------------------------------------------
-    cdef int poll_c(self, cqe_t *out, int n) except -1:
-        """Move up to ``n`` entries into ``out`` (oldest first; their ``qp`` is NULL on
-        return) and release the send-queue slots they account for; returns how many.
-        Raises CQOverrunError. Any thread; needs no lock: producers and consumers change
-        the ring only in C, under the GIL."""
+    cdef int poll_c(self, c_wc_t *out, int n) except -1:
+        """Move up to ``n`` completions into ``out`` (oldest first) and release the
+        send-queue slots they account for; returns how many. Raises CQOverrunError. Any
+        thread; needs no lock: producers and consumers change the ring only in C, under
+        the GIL."""
         cdef int got = 0
         cdef cqe_t *e
+        cdef c_wc_t *w
         cdef SoftQP qp
         if self._overrun:
             raise CQOverrunError()
         while self._count and got < n:
             e = &self._ring[self._head]
-            out[got] = e[0]
+            w = &out[got]
+            w.wr_id = e.wr_id
+            w.status = e.status
+            w.opcode = e.opcode
+            w.byte_len = e.byte_len
+            w.imm_data = e.imm_data
+            w.qp_num = e.qp_num
+            w.src_qp = e.src_qp
+            w.wc_flags = e.wc_flags
+            w.vendor_err = e.vendor_err
             if e.qp != NULL:
                 qp = <SoftQP>e.qp
                 if e.release and qp._gen == e.gen:
                     qp._sq_used -= e.release
                 e.qp = NULL
-                out[got].qp = NULL
                 Py_DECREF(qp)
             self._head = (self._head + 1) % self.cqe
             self._count -= 1
             got += 1
         return got
 
+    def c_ops(self):
+        """The C-level poll (verbs/cverbs.pxd), in a PyCapsule named ``CCQ_OPS``."""
+        return PyCapsule_New(&_CQ_OPS, CCQ_OPS, NULL)
+
     def poll(self, int n=16):
-        cdef cqe_t buf[32]
+        cdef c_wc_t buf[32]
         cdef int got, i, take
-        cdef cqe_t *e
+        cdef c_wc_t *e
         if not self._count:
             if self._overrun:
                 raise CQOverrunError()
@@ -438,6 +451,14 @@ cdef class SoftCQ:
 
 
 api.CQ.register(SoftCQ)
+
+
+cdef int _c_poll(object cq, c_wc_t *out, int n) except -1:
+    return (<SoftCQ>cq).poll_c(out, n)
+
+
+cdef c_cq_ops_t _CQ_OPS
+_CQ_OPS.poll = _c_poll
 
 
 cdef class _FailQPs:

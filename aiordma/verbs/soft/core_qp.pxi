@@ -342,79 +342,47 @@ cdef class SoftQP:
 
     def post_send(self, list wrs):
         cdef int n = len(wrs), i, st
-        cdef swqe_t *w
-        cdef uint32_t psn
-        cdef hdr_t h
+        cdef sge_t sges[32]
+        cdef int nsge
+        cdef int64_t total
         self._lock.acquire_c()
         try:
-            st = self._state
-            if self._closed or st == QPS_RESET or st == QPS_INIT or st == QPS_RTR:
-                raise PostError(_errno.EINVAL, f"post_send on a QP in {_QP_STATE[st].name}")
-            if self._sq_used + n > self._max_send_wr:
-                raise PostError(_errno.ENOMEM,
-                                f"send queue full ({self._sq_used} of {self._max_send_wr} "
-                                f"in use, {n} more posted)")
+            st = post_begin(self, n)
             checked = [check_send_wr(wr, self.cap) for wr in wrs]  # all, before any is built
             for i in range(n):
-                build_swqe(self, sq_at(self, self._sq_count + i), wrs[i], checked[i][1])
-            self._sq_used += n
-            if st == QPS_ERR:
-                for i in range(n):
-                    sq_complete(self, &self._sq[self._sq_head], WC_WR_FLUSH_ERR, 0)
-                    self._sq_count += 1
-                    sq_pop(self)
-                return
-            psn = self._next_psn
-            for i in range(n):
-                w = sq_at(self, self._sq_count + i)
                 wr = wrs[i]
-                w.psn = psn
-                hdr_set(&h, w.op, psn, w.length)
-                if int(wr.send_flags) & SF_SOLICITED:
-                    h.flags = FLAG_SOLICITED
-                h.imm = wr.imm_data & 0xFFFFFFFF
-                h.rkey = wr.rkey & 0xFFFFFFFF
-                h.raddr = wr.remote_addr & 0xFFFFFFFFFFFFFFFF
-                h.compare_add = wr.compare_add & 0xFFFFFFFFFFFFFFFF
-                h.swap = wr.swap & 0xFFFFFFFFFFFFFFFF
-                hdr_encode(&h, w.hdr)
-                psn = (psn + 1) & PSN_MASK
-            self._sq_count += n
-            self._next_psn = psn
-            pump(self)
+                read_sges(wr.sg_list, sges, &nsge, &total)
+                build_swqe(self, sq_at(self, self._sq_count + i), int(wr.opcode),
+                           int(wr.send_flags), wr.wr_id, sges, nsge, checked[i][1],
+                           wr.imm_data & 0xFFFFFFFF, wr.rkey & 0xFFFFFFFF,
+                           wr.remote_addr & 0xFFFFFFFFFFFFFFFF,
+                           wr.compare_add & 0xFFFFFFFFFFFFFFFF, wr.swap & 0xFFFFFFFFFFFFFFFF)
+            post_finish(self, n, st)
         finally:
             self._lock.release_c()
 
     def post_recv(self, list wrs):
         cdef int n = len(wrs), i, st
-        cdef rwqe_t tmp
         cdef rwqe_t *r
-        cdef sge_t tmp_sges[32]
         self._lock.acquire_c()
         try:
-            st = self._state
-            if self._closed or st == QPS_RESET:
-                raise PostError(_errno.EINVAL, f"post_recv on a QP in {_QP_STATE[st].name}")
-            if self._rq_count + n > self._max_recv_wr:
-                raise PostError(_errno.ENOMEM,
-                                f"receive queue full ({self._rq_count} of "
-                                f"{self._max_recv_wr} in use, {n} more posted)")
+            st = post_recv_begin(self, n)
             check_recv_wrs(wrs, self.cap)
             for i in range(n):
-                if st == QPS_ERR:
-                    tmp.sges = tmp_sges
-                    r = &tmp
-                else:
-                    r = rq_at(self, self._rq_count)
                 wr = wrs[i]
-                r.wr_id = wr.wr_id
-                read_sges(wr.sg_list, r.sges, &r.nsge, &r.length)
-                if st == QPS_ERR:
-                    rq_complete(self, r, WC_WR_FLUSH_ERR, WCOP_RECV, 0, 0, False, False)
-                else:
+                r = rq_at(self, self._rq_count) if st != QPS_ERR else NULL
+                if r != NULL:
+                    r.wr_id = wr.wr_id
+                    read_sges(wr.sg_list, r.sges, &r.nsge, &r.length)
                     self._rq_count += 1
+                else:
+                    recv_flushed(self, wr.wr_id)
         finally:
             self._lock.release_c()
+
+    def c_ops(self):
+        """The C-level posts (verbs/cverbs.pxd), in a PyCapsule named ``CQP_OPS``."""
+        return PyCapsule_New(&_QP_OPS, CQP_OPS, NULL)
 
     def close(self):
         self._lock.acquire_c()
@@ -451,18 +419,128 @@ cdef int read_sges(list sg_list, sge_t *out, int *n, int64_t *total) except -1:
     return 0
 
 
-cdef int build_swqe(SoftQP qp, swqe_t *w, object wr, int64_t length) except -1:
-    """Fill ``w`` from the checked send WR ``wr`` (``length``: its SGEs' total): local
-    memory resolved (and pinned) or, INLINE, copied now."""
-    cdef sge_t sges[32]
-    cdef int nsge, wrop = int(wr.opcode), flags = int(wr.send_flags), i
-    cdef int64_t total
+cdef int post_begin(SoftQP qp, int n) except -1:
+    """The checks of a post of ``n`` send WRs (lock held); returns the QP's state."""
+    cdef int st = qp._state
+    if qp._closed or st == QPS_RESET or st == QPS_INIT or st == QPS_RTR:
+        raise PostError(_errno.EINVAL, f"post_send on a QP in {_QP_STATE[st].name}")
+    if qp._sq_used + n > qp._max_send_wr:
+        raise PostError(_errno.ENOMEM,
+                        f"send queue full ({qp._sq_used} of {qp._max_send_wr} "
+                        f"in use, {n} more posted)")
+    return st
+
+
+cdef int post_finish(SoftQP qp, int n, int st) except -1:
+    """The ``n`` WQEs built after the send queue's entries are posted (lock held): in
+    ERR they complete flushed at once, else they are transmitted in order."""
+    cdef int i
+    cdef swqe_t *w
+    cdef uint32_t psn
+    qp._sq_used += n
+    if st == QPS_ERR:
+        for i in range(n):
+            sq_complete(qp, &qp._sq[qp._sq_head], WC_WR_FLUSH_ERR, 0)
+            qp._sq_count += 1
+            sq_pop(qp)
+        return 0
+    psn = qp._next_psn
+    for i in range(n):
+        w = sq_at(qp, qp._sq_count + i)
+        w.psn = psn
+        _put32(w.hdr + 4, psn)  # (build_swqe encoded the rest of the header)
+        psn = (psn + 1) & PSN_MASK
+    qp._sq_count += n
+    qp._next_psn = psn
+    return pump(qp)
+
+
+cdef int post_recv_begin(SoftQP qp, int n) except -1:
+    cdef int st = qp._state
+    if qp._closed or st == QPS_RESET:
+        raise PostError(_errno.EINVAL, f"post_recv on a QP in {_QP_STATE[st].name}")
+    if qp._rq_count + n > qp._max_recv_wr:
+        raise PostError(_errno.ENOMEM,
+                        f"receive queue full ({qp._rq_count} of "
+                        f"{qp._max_recv_wr} in use, {n} more posted)")
+    return st
+
+
+cdef void recv_flushed(SoftQP qp, uint64_t wr_id):
+    """A receive WR posted to a QP in ERR completes flushed at once."""
+    cdef rwqe_t tmp
+    tmp.wr_id = wr_id
+    tmp.nsge = 0
+    tmp.length = 0
+    rq_complete(qp, &tmp, WC_WR_FLUSH_ERR, WCOP_RECV, 0, 0, False, False)
+
+
+cdef int _c_post_send(object o, c_send_wr_t *wrs, int n) except -1:
+    cdef SoftQP qp = <SoftQP>o
+    cdef sge_t sge
+    cdef int i, st
+    cdef c_send_wr_t *wr
+    qp._lock.acquire_c()
+    try:
+        st = post_begin(qp, n)
+        for i in range(n):
+            wr = &wrs[i]
+            if not 0 <= wr.opcode <= 6:
+                raise PostError(_errno.EINVAL, f"unknown send opcode {wr.opcode}")
+            sge.addr = wr.addr
+            sge.length = wr.length
+            sge.lkey = wr.lkey
+            build_swqe(qp, sq_at(qp, qp._sq_count + i), wr.opcode, wr.send_flags, wr.wr_id,
+                       &sge, 1 if wr.length else 0, wr.length, wr.imm_data, wr.rkey,
+                       wr.remote_addr, wr.compare_add, wr.swap)
+        post_finish(qp, n, st)
+    finally:
+        qp._lock.release_c()
+    return 0
+
+
+cdef int _c_post_recv(object o, c_recv_wr_t *wrs, int n) except -1:
+    cdef SoftQP qp = <SoftQP>o
+    cdef int i, st
+    cdef rwqe_t *r
+    qp._lock.acquire_c()
+    try:
+        st = post_recv_begin(qp, n)
+        for i in range(n):
+            if st == QPS_ERR:
+                recv_flushed(qp, wrs[i].wr_id)
+                continue
+            r = rq_at(qp, qp._rq_count)
+            r.wr_id = wrs[i].wr_id
+            r.nsge = 1 if wrs[i].length else 0
+            r.sges[0].addr = wrs[i].addr
+            r.sges[0].length = wrs[i].length
+            r.sges[0].lkey = wrs[i].lkey
+            r.length = wrs[i].length
+            qp._rq_count += 1
+    finally:
+        qp._lock.release_c()
+    return 0
+
+
+cdef c_qp_ops_t _QP_OPS
+_QP_OPS.post_send = _c_post_send
+_QP_OPS.post_recv = _c_post_recv
+
+
+cdef int build_swqe(SoftQP qp, swqe_t *w, int wrop, int flags, uint64_t wr_id, sge_t *sges,
+                    int nsge, int64_t length, uint32_t imm, uint32_t rkey, uint64_t raddr,
+                    uint64_t compare_add, uint64_t swap) except -1:
+    """Fill ``w`` from a checked send WR (``length``: its SGEs' total): local memory
+    resolved (and pinned) or, INLINE, copied now; its header encoded but for the PSN
+    (``post_finish``)."""
+    cdef int i
     cdef unsigned char *buf
     cdef SoftMR mr
     cdef int64_t off
     cdef Py_ssize_t at = 0
-    read_sges(wr.sg_list, sges, &nsge, &total)
-    w.wr_id = wr.wr_id
+    cdef hdr_t h
+    w.wr_id = wr_id
     w.op = _WIRE_OP[wrop]
     w.wc_opcode = _WC_OP_FOR_WR[wrop]
     w.length = <uint32_t>length
@@ -498,4 +576,13 @@ cdef int build_swqe(SoftQP qp, swqe_t *w, object wr, int64_t length) except -1:
             pin_segs(w.segs, w.nsegs)
     if length > wire.MAX_MSG:
         w.error = WC_LOC_LEN_ERR
+    hdr_set(&h, w.op, 0, w.length)
+    if flags & SF_SOLICITED:
+        h.flags = FLAG_SOLICITED
+    h.imm = imm
+    h.rkey = rkey
+    h.raddr = raddr
+    h.compare_add = compare_add
+    h.swap = swap
+    hdr_encode(&h, w.hdr)
     return 0

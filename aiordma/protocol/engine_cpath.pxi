@@ -1,0 +1,84 @@
+# The engine's C path (included by engine.pyx): where the QP offers C-level operations
+# (``verbs/cverbs.pxd``: ``MessageEngine.use_qp``), the engine posts its frames and
+# receive buffers as C work requests, with wr_ids of its own, and takes its completions
+# as C structs from ``poll_dispatch`` -- no ``SendWR``/``WC`` object and no call through
+# Python per message. Elsewhere (the sans-IO tests, a provider without them) it posts
+# through its port's Python methods, with the port's wr_ids, as before.
+#
+# The engine's wr_ids: ``WR_ENGINE`` set (never one of a reactor's counter), then
+# ``WR_RECV`` and the slot for a receive buffer, else an increasing number per QP (the
+# send queue's order). A completion names its QP (``qp_num``: valid for every status),
+# which names the engine.
+
+cdef uint64_t WR_ENGINE_C = (<uint64_t>1) << 63
+cdef uint64_t WR_RECV_C = (<uint64_t>1) << 62
+WR_ENGINE = 1 << 63
+"""Set in every wr_id the engine makes itself (its C path)."""
+
+
+cdef int c_send_wr_of(wr, c_send_wr_t *w) except? -1:
+    """``w`` = the provider-neutral ``SendWR`` ``wr`` (one SGE at most: the engine's
+    one-sided work); returns its send flags."""
+    sg = wr.sg_list
+    if len(sg) > 1:
+        raise LocalProtocolError("the C path posts work requests of one SGE")
+    w.opcode = int(wr.opcode)
+    if sg:
+        s = sg[0]
+        w.addr = s.addr
+        w.length = s.length
+        w.lkey = s.lkey
+    else:
+        w.addr = 0
+        w.length = 0
+        w.lkey = 0
+    w.imm_data = wr.imm_data & 0xFFFFFFFF
+    w.rkey = wr.rkey & 0xFFFFFFFF
+    w.remote_addr = wr.remote_addr & 0xFFFFFFFFFFFFFFFF
+    w.compare_add = wr.compare_add & 0xFFFFFFFFFFFFFFFF
+    w.swap = wr.swap & 0xFFFFFFFFFFFFFFFF
+    return int(wr.send_flags)
+
+
+_STATUSES = tuple(WCStatus(i) for i in range(len(WCStatus)))
+_OPCODES = tuple(WCOpcode(i) if i in WCOpcode._value2member_map_ else i for i in range(256))
+
+
+cdef object make_wc(const c_wc_t *wc):
+    """The ``WC`` of a C completion (the slow paths: a failure, a wr_id not the engine's)."""
+    status = _STATUSES[wc.status] if 0 <= wc.status < len(_STATUSES) else wc.status
+    return WC(wc.wr_id, status, _OPCODES[wc.opcode & 0xFF], wc.byte_len, wc.vendor_err,
+              wc.imm_data, wc.qp_num, wc.src_qp, wc.wc_flags)
+
+
+def poll_dispatch(cq, ops, dict engines, int budget, other, report):
+    """Poll up to ``budget`` completions of ``cq`` through its C-level operations
+    (``ops``: its ``c_ops()`` capsule) and dispatch each, in order: one of an engine's
+    wr_ids to the engine of its QP (``engines``: qp_num -> MessageEngine), any other
+    as a ``WC`` to ``other(wc)``. An exception a handler raises goes to
+    ``report(exc)`` and the dispatch goes on. Returns how many were polled; raises
+    what the poll raises (CQOverrunError)."""
+    cdef c_cq_ops_t *o = <c_cq_ops_t *>PyCapsule_GetPointer(ops, CCQ_OPS)
+    cdef c_wc_t wcs[32]
+    cdef int n, i
+    cdef c_wc_t *wc
+    cdef MessageEngine eng
+    n = o.poll(cq, wcs, budget if budget < 32 else 32)
+    for i in range(n):
+        wc = &wcs[i]
+        try:
+            if wc.wr_id & WR_ENGINE_C:
+                found = engines.get(wc.qp_num)
+                if found is None:
+                    other(make_wc(wc))
+                    continue
+                eng = <MessageEngine>found
+                if wc.wr_id & WR_RECV_C:
+                    eng.rx.on_wc_c(wc, <int>(wc.wr_id & 0xFFFFFFFF))
+                else:
+                    eng.tx.on_wc_c(wc)
+            else:
+                other(make_wc(wc))
+        except Exception as exc:  # a bug in a handler must not stop the dispatch
+            report(exc)
+    return n
