@@ -42,7 +42,7 @@ from .lifecycle import Lifecycle, uncancelled
 from .memory import MemoryRegion, RemoteBuffer
 from .onesided import OneSided
 from .options import EndpointOptions
-from .protocol.engine import DATA, HANDSHAKE_FLAG_BATCH, RNDV, RX_DATA, MessageEngine, Op
+from .protocol.engine import HANDSHAKE_FLAG_BATCH, RNDV, RX_DATA, MessageEngine, Op
 from .protocol.handshake import Hello
 from .protocol.heartbeat import HANDSHAKE_FLAG_LIVENESS
 from .protocol.state import Local, Remote
@@ -285,12 +285,12 @@ class Endpoint:
         fut: asyncio.Future[None] = self._loop.create_future()
         tx = e.tx
         if n <= e.eager_payload:
-            op = Op(DATA, fut, mv)
+            op = tx.queue_data(fut, mv)
         else:
             op = Op(RNDV, fut, payload=self._rndv_source(mv), msg_id=tx.next_msg_id())
+            tx.sendq.append(op)
+            tx.kick()
         q = tx.sendq
-        q.append(op)
-        tx.kick()
         try:
             if self._reactor.in_place:
                 await self._reactor.wait(fut, op.posted)
@@ -327,11 +327,9 @@ class Endpoint:
         rxq = rx.rx
         if not rxq and not rx.receivers and self._reactor.in_place:
             self._rcv.wait_in_place()
-        if rxq and not rx.receivers and not self._engine.state.failed:
-            m = rxq[0]
-            if m.kind == RX_DATA:  # already here, nobody queued before us: no lock
-                data = rx.rpool.bytes_at(m.offset, m.length)
-                rx.consume_data(m)
+        if rxq and not rx.receivers:
+            data = rx.take_data()  # already here, nobody queued before us: no lock
+            if data is not None:
                 return data
         rx.receivers += 1
         try:

@@ -245,6 +245,23 @@ cdef class Receiver:
             self.deferred += 1
 
     # ---------------------------------------------------------------- consuming
+    def take_data(self):
+        """The next message as bytes when it is a DATA message already here (consumed:
+        its buffer goes back to the peer), else None (nothing taken). The caller makes
+        sure that no receive is waiting before it."""
+        cdef Rx rx
+        cdef Slots rpool = self.rpool
+        if not self.rx or self.e.state.failed:
+            return None
+        rx = self.rx[0]
+        if rx.kind != R_DATA:
+            return None
+        if rpool.mem == NULL or rx.offset + rx.length > rpool._size:
+            raise ValueError("the receive buffers are gone")
+        data = PyBytes_FromStringAndSize(<char *>rpool.mem + rx.offset, rx.length)
+        self.consume_data(rx)
+        return data
+
     def consume_data(self, Rx rx):
         """The application took DATA message ``rx`` (the receive queue's head)."""
         self.rx.popleft()

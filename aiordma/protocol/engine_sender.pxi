@@ -404,6 +404,19 @@ cdef class Sender:
         port.maybe_closed()
         return 0
 
+    def queue_data(self, fut, payload):
+        """Queue a DATA message (``payload``: its bytes, at most ``eager_payload``; the
+        waiter ``fut`` completes when the peer's device has it) and post what can go;
+        returns its op (the caller unqueues it if cancelled before it was posted)."""
+        cdef Op op = Op.__new__(Op)
+        op.kind = K_DATA
+        op.fut = fut
+        op.payload = payload
+        op.msg_id = 0
+        self.sendq.append(op)
+        self.kick_c()
+        return op
+
     def queue_ctrl(self, ftype, arg, fut=None):
         """Queue a control frame (CLOSE completes ``fut``) and post what can go."""
         if self.e.state.failed:
