@@ -30,16 +30,17 @@ $(DIST_TESTS)/VERSION: tests/fetch-distributed-tests.sh | $(VENV)/.stamp
 setup: $(VENV)/.stamp $(DIST_TESTS)/VERSION core
 
 ## The Cython extensions, in place (make clean-native removes them): the message engine
-## (aiordma.protocol.engine) and the soft provider's data path (aiordma.verbs.soft._core),
-## which aiordma needs, and the verbs one where rdma-core's headers are. build_ext
+## (aiordma.protocol.engine), the soft provider's data path (aiordma.verbs.soft._core) and
+## the verbs provider's queue accounting (aiordma.verbs.ibverbs.queues), which aiordma
+## needs, and the verbs data path where rdma-core's headers are. build_ext
 ## recompiles only what changed; the mypyc modules stay as they are (make native).
 core: $(VENV)/.stamp core-prereqs
 	@mkdir -p build
 	AIORDMA_MYPYC=0 $(abspath $(PY)) setup.py -q build_ext --inplace >build/core.log 2>&1 \
 		|| { tail -30 build/core.log; exit 1; }
 	@$(PY) -c "import aiordma.native as n; b = n.build(); \
-		raise SystemExit(None if b.compiled('soft') and b.compiled('engine') \
-		else f'make core: the engine or the soft data path did not build: {b}')"
+		raise SystemExit(None if all(map(b.compiled, ('soft', 'engine', 'queues'))) \
+		else f'make core: the engine, the soft data path or the queues did not build: {b}')"
 
 ## The main job: async echo across two processes on the soft provider.
 echo: setup
@@ -107,7 +108,7 @@ native-prereqs: core-prereqs
 # build) in place, in the current directory's tree.
 BUILD_NATIVE = AIORDMA_BUILD=compiled AIORDMA_MYPYC=1 $(abspath $(PY)) setup.py -q build_ext --inplace
 # what `aiordma.native.build()` must report on the native build
-NATIVE_TAGS = mypyc,verbs,soft,engine
+NATIVE_TAGS = mypyc,verbs,soft,engine,queues
 
 native: setup native-prereqs
 	$(BUILD_NATIVE)

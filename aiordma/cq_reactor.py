@@ -61,7 +61,7 @@ class _CQSlot:
     """One CQ, its channel, and the capacity reserved on it."""
 
     __slots__ = ("cq", "channel", "capacity", "reserved", "unacked", "fd", "progress_fd",
-                 "progress", "flush_scheduled", "armed", "c_ops")
+                 "progress", "flush_scheduled", "armed", "c_ops", "c_target")
 
     def __init__(self, cq: CQ, channel: CompChannel, capacity: int) -> None:
         self.cq = cq
@@ -74,7 +74,11 @@ class _CQSlot:
         self.progress: Callable[..., int] | None = None
         self.flush_scheduled = False
         self.armed = False  # req_notify'd since its last event (see _arm_idle)
-        self.c_ops: Any = cq.c_ops()  # its C-level poll, where the provider has one
+        # its C-level poll (a capsule) and that poll's first argument, where the
+        # provider has one
+        ops = cq.c_ops()
+        self.c_ops: Any = None if ops is None else ops[0]
+        self.c_target: Any = None if ops is None else ops[1]
 
 
 def future_handler(wc: WC, fut: asyncio.Future[WC]) -> None:
@@ -342,7 +346,7 @@ class CQReactor:
             while True:
                 self.polls += 1
                 try:
-                    n = poll_dispatch(slot.cq, slot.c_ops, self._engines, _POLL_BATCH,
+                    n = poll_dispatch(slot.c_target, slot.c_ops, self._engines, _POLL_BATCH,
                                       self._dispatch_one, self._handler_raised)
                 except CQOverrunError as exc:
                     self._fail_all(exc)

@@ -48,6 +48,9 @@ __all__ = ["mypyc_attr", "MODULES", "MYPYC_GROUP", "EXTENSIONS", "Build", "compi
 #: needs)``: the source is the module's ``.pyx`` (its ``.pxd`` beside it); ``tag`` names
 #: it in ``build()``. Add a module here to build it; setup.py reads this literal.
 EXTENSIONS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    # the verbs provider's queue accounting (verbs/ibverbs/queues.pyx): the provider needs
+    # it, and the compiled posts and polls below account for their work requests in it
+    ("queues", "aiordma.verbs.ibverbs.queues", ()),
     # the verbs provider's posts and polls through libibverbs (verbs/ibverbs/fastpath.pyx)
     ("verbs", "aiordma.verbs.ibverbs.fastpath", ("infiniband/verbs.h",)),
     # the soft provider's per-packet path (verbs/soft/_core.pyx): the provider needs it

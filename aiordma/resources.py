@@ -140,7 +140,7 @@ class Resources(EnginePort):
         with wr_ids of its own, and the reactor hands it their completions."""
         ops = self.qp.c_ops()
         if ops is not None:
-            engine.use_qp(self.qp, ops)
+            engine.use_qp(ops[1], ops[0])
             self.reactor.attach_engine(self.qp.qp_num, engine)
 
     # ---------------------------------------------------------------- connecting

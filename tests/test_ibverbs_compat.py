@@ -60,6 +60,7 @@ from aiordma.verbs import (
 )
 from aiordma.verbs.ibverbs import channel as ibv_channel
 from aiordma.verbs.ibverbs import clib, compat, loader, probe, provider
+from aiordma.verbs.ibverbs.queues import WorkQueues
 
 
 @pytest.fixture
@@ -422,7 +423,7 @@ def test_gid_helpers() -> None:
 
 
 def test_unsignaled_slots_come_free_with_a_later_signaled_completion() -> None:
-    q = compat.WorkQueues(max_send=4, max_recv=2)
+    q = WorkQueues(max_send=4, max_recv=2)
     q.posted_send([(1, False, WCOpcode.SEND), (2, False, WCOpcode.RDMA_WRITE),
                    (3, True, WCOpcode.SEND)])
     assert q.send_room() == 1
@@ -431,7 +432,7 @@ def test_unsignaled_slots_come_free_with_a_later_signaled_completion() -> None:
 
 
 def test_error_completion_of_an_unsignaled_wr_and_flushes() -> None:
-    q = compat.WorkQueues(max_send=8, max_recv=8)
+    q = WorkQueues(max_send=8, max_recv=8)
     q.posted_send([(1, False, WCOpcode.SEND), (2, False, WCOpcode.RDMA_READ),
                    (3, True, WCOpcode.SEND)])
     q.posted_recv([10, 11])
@@ -446,7 +447,7 @@ def test_error_completion_of_an_unsignaled_wr_and_flushes() -> None:
 
 
 def test_successful_completions_on_separate_and_shared_cqs() -> None:
-    q = compat.WorkQueues(max_send=8, max_recv=8)
+    q = WorkQueues(max_send=8, max_recv=8)
     q.posted_send([(7, True, WCOpcode.SEND)])
     q.posted_recv([7])  # the same wr_id on both queues
     assert q.completed(7, True, 128, True, True) is WCOpcode.RECV
@@ -455,6 +456,29 @@ def test_successful_completions_on_separate_and_shared_cqs() -> None:
     q.posted_send([(1, True, WCOpcode.SEND)])
     q.reset()
     assert q.send_room() == 8
+
+
+def test_the_queues_are_rings_that_wrap_at_their_depth() -> None:
+    """Posting and completing past the depth many times over: the oldest entry is
+    always the one released, a full queue refuses one more, the tuples read back in
+    order."""
+    q = WorkQueues(max_send=3, max_recv=2)
+    for i in range(10):
+        q.posted_send([(100 + i, i % 2 == 0, WCOpcode.SEND), (200 + i, True, WCOpcode.RDMA_READ)])
+        assert q.sq == ((100 + i, i % 2 == 0, WCOpcode.SEND), (200 + i, True, WCOpcode.RDMA_READ))
+        with pytest.raises(OverflowError):
+            q.posted_send([(1, True, WCOpcode.SEND)] * 2)
+        assert q.completed(200 + i, True, 2, True, False) is WCOpcode.RDMA_READ
+        assert q.send_room() == 3
+        q.posted_recv([300 + i, 400 + i])
+        assert q.rq == (300 + i, 400 + i) and q.recv_room() == 0
+        q.recv_completed()
+        assert q.rq == (400 + i,)
+        assert q.completed(400 + i, True, 128, False, True) is WCOpcode.RECV
+    assert q.completed(1, True, 0, True, False) is None and q.recv_room() == 2
+    with pytest.raises(ValueError):
+        WorkQueues(-1, 1)
+    assert "send 0/3" in repr(q)
 
 
 # ----------------------------------------------------------------------------------------
@@ -733,7 +757,7 @@ def test_single_sends_reuse_one_cached_wr_per_sge(fake: Any) -> None:
     qp.post_send([SendWR(4, WROpcode.SEND, [SGE(0x2000, 4, 5)], send_flags=SendFlags.INLINE)])
     assert list(qp._queues.sq) == [(1, True, WCOpcode.SEND), (2, False, WCOpcode.RDMA_WRITE),
                                    (3, True, WCOpcode.FETCH_ADD), (4, False, WCOpcode.SEND)]
-    qp._queues.sq.clear()  # (their completions: max_send_wr is 4)
+    qp._queues.reset()  # (their completions: max_send_wr is 4)
     qp.post_send([SendWR(5, WROpcode.RDMA_WRITE_WITH_IMM, [sge], rkey=0x79,
                          remote_addr=0xB000, imm_data=7)])
     ids = [x[0] for x in seen]
@@ -761,7 +785,7 @@ def test_one_sge_receives_are_posted_through_cached_wrs(fake: Any) -> None:
         [(10 + i, [(b.addr, 64, 5)])] for i, b in enumerate(bufs)]
     first = [chain[0] for chain in qp._qp.recvs]
     assert len(set(map(id, first))) == 3 and list(qp._queues.rq) == [10, 11, 12]
-    qp._queues.rq.clear()  # (their completions)
+    qp._queues.reset()  # (their completions)
     qp._qp.recvs.clear()
     seen: list[int] = []
     real_post = qp._qp.post_recv

@@ -18,10 +18,19 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from _fake_pyverbs import V4GID, FakeVerbsABI, _qp_setup, _to_rts, install_abi, install_fake
+from _fake_pyverbs import (
+    V4GID,
+    FakePyverbsError,
+    FakeVerbsABI,
+    _pwc,
+    _qp_setup,
+    _to_rts,
+    install_abi,
+    install_fake,
+)
 
-from aiordma.errors import PostError, RDMAError
-from aiordma.verbs import SGE, QPCap, RecvWR, SendFlags, SendWR, WCOpcode, WROpcode
+from aiordma.errors import CQOverrunError, PostError, RDMAError
+from aiordma.verbs import SGE, QPCap, QPState, RecvWR, SendFlags, SendWR, WCOpcode, WROpcode
 from aiordma.verbs.contract import InvalidWorkRequest
 from aiordma.verbs.ibverbs import clib, compat, loader
 
@@ -108,7 +117,7 @@ def test_single_posts_of_every_kind(abi: FakeVerbsABI, fake: Any) -> None:
     qp.post_send([SendWR(2, WROpcode.ATOMIC_CMP_AND_SWP, [sge], rkey=0x78,
                          remote_addr=0xA008, compare_add=5, swap=6)])
     qp.post_send([SendWR(3, WROpcode.SEND, [SGE(0x2000, 4, 5)], send_flags=SendFlags.INLINE)])
-    qp._queues.sq.clear()  # (their completions)
+    qp._queues.reset()  # (their completions)
     qp.post_send([SendWR(4, WROpcode.RDMA_READ, [sge], rkey=0x7A, remote_addr=0xC000)])
     (a,), (b,), (c,), (d,) = abi.sends
     assert (a["opcode"], a["imm_data"], a["rdma"]) == (1, socket.htonl(7), (0xB000, 0x79))
@@ -205,6 +214,116 @@ def test_closing_a_qp_closes_its_poster(abi: FakeVerbsABI, fake: Any) -> None:
     assert cq.data_path == "compiled"
     cq.close()
     assert poller.poll(4) == (0, ())  # closed: polls nothing
+
+
+# -- the C-level operations (verbs/cverbs.pxd), what the message engine posts through ----
+_SIG = int(SendFlags.SIGNALED)
+
+
+def _cwr(wr_id: int, op: WROpcode, flags: int = _SIG, sge: tuple[int, int, int] = (0, 0, 0),
+         imm: int = 0, rkey: int = 0, raddr: int = 0, add: int = 0, swap: int = 0) -> tuple:
+    return (wr_id, int(op), flags, sge[0], sge[1], sge[2], imm, rkey, raddr, add, swap)
+
+
+def test_the_c_level_posts_build_the_same_wrs_and_account_for_them(
+        abi: FakeVerbsABI, fake: Any) -> None:
+    """``IbvQP.c_ops()``: a capsule of C functions and the QP's poster, their first
+    argument. A C work request becomes the ``struct ibv_send_wr`` the Python post makes
+    (immediate data in wire order, the RDMA or atomic part its opcode reads, no SGE for
+    a zero length), posted as one chain and recorded in the QP's queues."""
+    assert fastpath is not None
+    qp = _rts_qp(fake, QPCap(max_send_wr=8, max_recv_wr=8, max_send_sge=2, max_recv_sge=2,
+                             max_inline_data=64))
+    capsule, target = qp.c_ops()
+    assert target is qp._fast and "qp_ops" in repr(capsule)
+    fastpath._post_send_c(target, [
+        _cwr(1 << 63 | 1, WROpcode.SEND_WITH_IMM, 0, (0x1000, 8, 5), imm=0x01020304),
+        _cwr(2, WROpcode.RDMA_WRITE, rkey=0x77, raddr=0x9000),
+        _cwr(3, WROpcode.ATOMIC_FETCH_AND_ADD, sge=(0x4000, 8, 5), rkey=0x78, raddr=0xA008,
+             add=5)])
+    (w1, w2, w3), = abi.sends
+    assert qp._qp.sends == [] and [w["wr_id"] for w in (w1, w2, w3)] == [1 << 63 | 1, 2, 3]
+    assert (w1["opcode"], w1["send_flags"], w1["sg"]) == (3, 0, [(0x1000, 8, 5)])
+    assert w1["imm_data"] == socket.htonl(0x01020304)
+    assert (w2["num_sge"], w2["rdma"], w2["send_flags"]) == (0, (0x9000, 0x77), _SIG)
+    assert w3["atomic"] == (0x78, 0xA008, 5, 0)
+    assert qp._queues.sq == ((1 << 63 | 1, False, WCOpcode.SEND),
+                             (2, True, WCOpcode.RDMA_WRITE), (3, True, WCOpcode.FETCH_ADD))
+    fastpath._post_recv_c(target, [(1 << 63 | 1 << 62 | 7, 0x3000, 64, 9)])
+    (r,), = abi.recvs
+    assert (r["wr_id"], r["sg"], r["num_sge"]) == (1 << 63 | 1 << 62 | 7, [(0x3000, 64, 9)], 1)
+    assert qp._queues.rq == (1 << 63 | 1 << 62 | 7,)
+
+
+def test_the_c_level_posts_refuse_as_the_python_ones(abi: FakeVerbsABI, fake: Any) -> None:
+    """A QP not ready to send, a full queue, the device's refusal at ``bad_wr`` (those
+    before it stay posted and accounted for), a closed QP: PostError with the errno
+    the Python posts raise, nothing recorded that was not posted."""
+    assert fastpath is not None
+    ctx, pd, ch, cq, rcq, qp = _qp_setup(fake)
+    capsule, target = qp.c_ops()
+    one = _cwr(1, WROpcode.SEND, sge=(0x1000, 8, 5))
+    with pytest.raises(PostError, match="RESET") as ei:
+        fastpath._post_send_c(target, [one])
+    assert ei.value.errno == errno.EINVAL
+    with pytest.raises(PostError, match="RESET"):
+        fastpath._post_recv_c(target, [(1, 0x3000, 64, 9)])
+    _to_rts(qp)
+    with pytest.raises(PostError, match="send queue full") as ei:
+        fastpath._post_send_c(target, [one] * 5)  # max_send_wr is 4
+    assert ei.value.errno == errno.ENOMEM and abi.sends == []
+    abi.fail_at, abi.fail_errno = 2, errno.ENOMEM
+    with pytest.raises(PostError, match="ibv_post_send") as ei:
+        fastpath._post_send_c(target, [_cwr(i, WROpcode.SEND) for i in (1, 2, 3)])
+    assert ei.value.errno == errno.ENOMEM and [e[0] for e in qp._queues.sq] == [1, 2]
+    abi.fail_at = None
+    with pytest.raises(PostError, match="receive queue full"):
+        fastpath._post_recv_c(target, [(i, 0x3000, 64, 9) for i in range(5)])
+    qp.close()
+    with pytest.raises(PostError, match="closed"):
+        fastpath._post_send_c(target, [one])
+
+
+def test_the_c_level_poll_accounts_and_names_what_failed(abi: FakeVerbsABI, fake: Any) -> None:
+    """``IbvCQ.c_ops()``: completions polled into C structs, immediate data in host
+    order, receive and send slots released in the QP's queues; an error completion gets
+    the opcode of the WR it completes (verbs leaves it undefined) and moves the QP to
+    ERR; an overrun fails the CQ, and its QPs, for good."""
+    assert fastpath is not None
+    ctx, pd, ch, cq, rcq, qp = _qp_setup(fake)
+    _to_rts(qp)
+    capsule, target = cq.c_ops()
+    assert target is cq._poller and "cq_ops" in repr(capsule)
+    qpt = qp.c_ops()[1]
+    fastpath._post_send_c(qpt, [_cwr(3, WROpcode.RDMA_READ, sge=(0x1000, 8, 5))])
+    fastpath._post_recv_c(qpt, [(9, 0x3000, 64, 9)])
+    pcq = cq._cq
+    pcq.wcs.extend([_pwc(wr_id=3, opcode=2, byte_len=8, qp_num=qp.qp_num),
+                    _pwc(wr_id=9, opcode=129, wc_flags=2, imm_data=socket.htonl(42),
+                         byte_len=0, qp_num=qp.qp_num)])
+    assert fastpath._poll_c(target, 8) == [(3, 0, 2, 8, 0, qp.qp_num, 0),
+                                           (9, 0, 129, 0, 42, qp.qp_num, 2)]
+    assert qp._queues.send_room() == 4 and qp._queues.recv_room() == 4
+    fastpath._post_send_c(qpt, [_cwr(4, WROpcode.RDMA_READ, 0, (0x1000, 8, 5)),
+                                _cwr(5, WROpcode.SEND)])
+    pcq.wcs.extend([_pwc(wr_id=4, status=10, opcode=0, qp_num=qp.qp_num),
+                    _pwc(wr_id=5, status=5, opcode=0, qp_num=qp.qp_num),
+                    _pwc(wr_id=77, qp_num=0x999)])  # a QP not on this CQ: as is
+    got = fastpath._poll_c(target, 8)
+    assert [(w[0], w[1], w[2]) for w in got] == [
+        (4, 10, int(WCOpcode.RDMA_READ)), (5, 5, int(WCOpcode.SEND)), (77, 0, 128)]
+    assert qp._state is QPState.ERR and qp._queues.send_room() == 4
+    assert fastpath._poll_c(target, 8) == []
+    pcq.fail = FakePyverbsError("Failed to poll CQ", errno.EOVERFLOW)
+    with pytest.raises(CQOverrunError):
+        fastpath._poll_c(target, 8)
+    pcq.fail = None
+    with pytest.raises(CQOverrunError):  # forever, in Python too
+        fastpath._poll_c(target, 8)
+    with pytest.raises(CQOverrunError):
+        cq.poll()
+    qp.close()
+    assert qp.qp_num not in target.tracked_qps()
 
 
 def test_pyverbs_posts_where_asked(abi: FakeVerbsABI, fake: Any,

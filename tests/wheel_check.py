@@ -89,7 +89,7 @@ def check_installed(checkout: pathlib.Path) -> None:
     build = native.build()
     if os.path.exists(VERBS_H) and shutil.which("cc") and not build.compiled("verbs"):
         fail(f"a source install with a C compiler and {VERBS_H} runs {build}")
-    if shutil.which("cc") and not (build.compiled("soft") and build.compiled("engine")):
+    if shutil.which("cc") and not (all(map(build.compiled, ("soft", "engine", "queues")))):
         fail(f"a source install with a C compiler runs {build}, without the engine or the "
              "soft data path")
     if shutil.which("cc") and build.modules != "mypyc":

@@ -147,8 +147,8 @@ cdef class MessageEngine:
         self.rx.repost_batch = self.credits.repost_batch
 
     def use_qp(self, qp, ops):
-        """Post to ``qp`` through its C-level operations (``ops``: its ``c_ops()``
-        capsule) from now on: the C path (engine_cpath.pxi). Call before anything is
+        """Post through the C-level operations ``ops`` (the capsule of a QP's
+        ``c_ops()``), ``qp`` (its target) their first argument, from now on: the C path (engine_cpath.pxi). Call before anything is
         posted; its completions then come through ``poll_dispatch`` (or
         ``on_completion``)."""
         cdef c_qp_ops_t *o = <c_qp_ops_t *>PyCapsule_GetPointer(ops, CQP_OPS)

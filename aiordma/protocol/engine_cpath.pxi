@@ -52,8 +52,8 @@ cdef object make_wc(const c_wc_t *wc):
 
 
 def poll_dispatch(cq, ops, dict engines, int budget, other, report):
-    """Poll up to ``budget`` completions of ``cq`` through its C-level operations
-    (``ops``: its ``c_ops()`` capsule) and dispatch each, in order: one of an engine's
+    """Poll up to ``budget`` completions through a CQ's C-level operations (``ops``
+    and ``cq``: the capsule and the target of its ``c_ops()``) and dispatch each, in order: one of an engine's
     wr_ids to the engine of its QP (``engines``: qp_num -> MessageEngine), any other
     as a ``WC`` to ``other(wc)``. An exception a handler raises goes to
     ``report(exc)`` and the dispatch goes on. Returns how many were polled; raises

@@ -240,8 +240,9 @@ class CQ(abc.ABC):
         """Up to ``n`` completions, oldest first; ``[]`` when empty. Raises CQOverrunError."""
 
     def c_ops(self) -> Any:
-        """The CQ's C-level poll (``verbs/cverbs.pxd``: a PyCapsule named ``CCQ_OPS``),
-        for compiled callers; None where the provider has none (the default)."""
+        """The CQ's C-level poll, for compiled callers: ``(capsule, target)``, the
+        PyCapsule named ``CCQ_OPS`` (``verbs/cverbs.pxd``) and the object to pass as
+        its first argument; None where the provider has none (the default)."""
         return None
 
     @abc.abstractmethod
@@ -296,8 +297,9 @@ class QP(abc.ABC):
         """Post a chain of receive WRs. Raises PostError."""
 
     def c_ops(self) -> Any:
-        """The QP's C-level posts (``verbs/cverbs.pxd``: a PyCapsule named ``CQP_OPS``),
-        for compiled callers; None where the provider has none (the default)."""
+        """The QP's C-level posts, for compiled callers: ``(capsule, target)``, the
+        PyCapsule named ``CQP_OPS`` (``verbs/cverbs.pxd``) and the object to pass as
+        their first argument; None where the provider has none (the default)."""
         return None
 
     @abc.abstractmethod

@@ -3,8 +3,8 @@
 # completions as C structs (the fields of ibv_send_wr, ibv_recv_wr and ibv_wc that aiordma
 # uses, with their verbs values), and the operations a provider offers on them. A header
 # only: no module implements it. A provider hands its operations out in a PyCapsule
-# (``CQP_OPS`` / ``CCQ_OPS``, from its QP's and CQ's ``c_ops()``); the caller passes the
-# QP or CQ object itself as the first argument and keeps it alive meanwhile. Each
+# (``CQP_OPS`` / ``CCQ_OPS``), with the object to pass them as their first argument, from
+# its QP's and CQ's ``c_ops()``; the caller keeps both alive meanwhile. Each
 # operation runs with the GIL held and returns 0, or -1 with a Python exception set
 # (the QP's state, a full queue: what ``post_send``/``post_recv``/``poll`` raise). The
 # caller has checked the work requests (``verbs/contract.py``'s rules hold for them).

@@ -14,6 +14,8 @@ importing it never fails; without pyverbs, ``PROVIDER.list_devices()``/``open()`
 * ``pyverbs_wrs`` -- work requests as pyverbs objects, where the compiled path is not used;
 * ``fastpath`` -- the compiled data path (Cython: ``fastpath.pyx``, its C-level
   interface ``fastpath.pxd``, verbs.h's part in ``libibverbs.pxd``);
+* ``queues``   -- ``WorkQueues``: a QP's outstanding work requests, counted as hardware
+  counts them (Cython, ``queues.pyx``; no system header needed);
 * ``loader``   -- pyverbs imported lazily, and what its version can do;
 * ``compat``   -- pure-Python shims for what differs between versions or is missing
   (unit-tested without pyverbs in ``tests/test_ibverbs_compat.py``);

@@ -9,13 +9,11 @@ expose, is isolated here so that it can be unit-tested without RDMA hardware:
 * the file descriptors and C pointers pyverbs hides -> ``probe.py``;
 * immediate data byte order, work-completion conversion -> ``imm_to_wire``,
   ``imm_from_wire``, ``convert_wc``;
-* GID selection for an IP address from sysfs -> ``read_sysfs_gids``, ``select_gid_index``;
-* the send/receive queue accounting that lets a chain be refused whole -> ``WorkQueues``.
+* GID selection for an IP address from sysfs -> ``read_sysfs_gids``, ``select_gid_index``.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import errno
 import importlib
@@ -24,7 +22,7 @@ import os
 import re
 import socket
 import struct
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ...errors import DeviceError
@@ -390,92 +388,3 @@ def select_gid_index(entries: list[GidEntry], ip: str, *, dev: str = "?", port: 
         f"no GID on {dev} port {port} matches {ip}; GIDs: {have} "
         f"(use the address of the interface {dev} is bound to, or set AIORDMA_GID_INDEX)",
     )
-
-
-# ----------------------------------------------------------------------------------------
-# queue accounting
-# ----------------------------------------------------------------------------------------
-
-
-#: One posted send WR in ``WorkQueues.sq``: (wr_id, signaled, opcode) -- a plain tuple,
-#: built on every post (no constructor call).
-SendEntry = tuple[int, bool, WCOpcode]
-
-
-class WorkQueues:
-    """Outstanding send and receive WRs of one QP, counted the way hardware counts them.
-
-    A send-queue slot is held from posting until the completion of that WR, or of a later
-    signaled WR of the same QP, has been polled (unsignaled WRs that succeed produce no
-    completion; their slots come free with the next polled signaled completion). A receive
-    slot is held until its completion is polled. ``post_*`` are called only after the whole
-    chain was accepted, so a chain that does not fit is refused before pyverbs sees it.
-    """
-
-    __slots__ = ("sq", "rq", "max_send", "max_recv")
-
-    def __init__(self, max_send: int, max_recv: int) -> None:
-        self.sq: collections.deque[SendEntry] = collections.deque()
-        self.rq: collections.deque[int] = collections.deque()
-        self.max_send = max_send
-        self.max_recv = max_recv
-
-    def send_room(self) -> int:
-        return self.max_send - len(self.sq)
-
-    def recv_room(self) -> int:
-        return self.max_recv - len(self.rq)
-
-    def posted_send(self, entries: Iterable[SendEntry]) -> None:
-        self.sq.extend(entries)
-
-    def posted_recv(self, wr_ids: Iterable[int]) -> None:
-        self.rq.extend(wr_ids)
-
-    def reset(self) -> None:
-        self.sq.clear()
-        self.rq.clear()
-
-    def _sq_index(self, wr_id: int, signaled_only: bool) -> int | None:
-        for i, (w, signaled, _op) in enumerate(self.sq):
-            if w == wr_id and (signaled or not signaled_only):
-                return i
-        return None
-
-    def completed(self, wr_id: int, success: bool, raw_opcode: int, send_side: bool,
-                  recv_side: bool) -> WCOpcode | None:
-        """Account for a polled completion; returns the opcode the WR had (best knowledge).
-
-        ``send_side``/``recv_side``: whether the CQ it was polled from is this QP's send CQ
-        and/or receive CQ. On a shared CQ a successful completion is placed by its opcode,
-        an error one (opcode undefined) by its wr_id.
-        """
-        if send_side and recv_side:
-            if success:
-                side_recv = bool(raw_opcode & 0x80)
-            else:
-                in_sq = self._sq_index(wr_id, False) is not None
-                rq_head = bool(self.rq) and self.rq[0] == wr_id
-                if rq_head and not in_sq:
-                    side_recv = True
-                elif in_sq and not rq_head:
-                    side_recv = False
-                elif in_sq and rq_head:
-                    side_recv = bool(raw_opcode & 0x80)
-                else:
-                    return None
-        else:
-            side_recv = recv_side
-        if side_recv:
-            if self.rq:
-                self.rq.popleft()
-            return WCOpcode.RECV
-        idx = self._sq_index(wr_id, success)
-        if idx is None and success:  # wr_id reused or unknown: the oldest signaled one
-            idx = next((i for i, e in enumerate(self.sq) if e[1]), None)
-        if idx is None:
-            return None
-        op = self.sq[idx][2]
-        for _ in range(idx + 1):
-            self.sq.popleft()
-        return op

@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import weakref
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -94,6 +95,7 @@ class IbvCQ(CQ):
         fp = loader.fastpath() if mode != "ctypes" else None
         if fp is not None:
             poller = self._poller = fp.CQPoller(ptr, _POLL_ENTRIES)
+            poller.attach(weakref.ref(self))
             self._arm = poller.req_notify
             return
         try:
@@ -109,6 +111,28 @@ class IbvCQ(CQ):
         if p is None:
             return "pyverbs"
         return "ctypes" if isinstance(p, clib.CQPoller) else "compiled"
+
+    def c_ops(self) -> Any:
+        """The C-level poll (``api.CQ.c_ops``) where this CQ is polled through the
+        compiled data path: ``fastpath.cq_ops()`` on its ``CQPoller``."""
+        p = self._poller
+        if p is None or isinstance(p, clib.CQPoller):
+            return None
+        fp = loader.fastpath()
+        assert fp is not None
+        return fp.cq_ops(), p
+
+    def _track(self, qp: IbvQP) -> None:
+        """``qp`` completes here: the compiled poll accounts for it (``IbvQP``)."""
+        p = self._poller
+        if p is not None and not isinstance(p, clib.CQPoller):
+            p.track(qp.qp_num, qp._queues, qp.send_cq is self, qp.recv_cq is self,
+                    weakref.ref(qp))
+
+    def _untrack(self, qp: IbvQP) -> None:
+        p = self._poller
+        if p is not None and not isinstance(p, clib.CQPoller):
+            p.untrack(qp.qp_num)
 
     def _overrun_detected(self) -> None:
         """Completions were lost: the CQ is in error for good, and so is every QP using it
@@ -149,9 +173,7 @@ class IbvCQ(CQ):
                 if raw[1] == 0 and raw[2] & _WC_RECV_BIT and qp.recv_cq is self:
                     # a successful receive (WorkQueues.completed, inlined for the most
                     # frequent completion): its receive slot comes free
-                    rq = qp._queues.rq
-                    if rq:
-                        rq.popleft()
+                    qp._queues.recv_completed()
                     hint = WCOpcode.RECV
                 else:
                     ok = raw[1] == 0

@@ -9,6 +9,8 @@
 # CQ with arm(solicited_only). No Python object is involved per message; the GIL is not
 # needed by the *_array calls or arm.
 
+from libc.stdint cimport uint32_t
+
 from aiordma.verbs.ibverbs.libibverbs cimport (
     ibv_ack_cq_events_fn,
     ibv_cq,
@@ -19,6 +21,7 @@ from aiordma.verbs.ibverbs.libibverbs cimport (
     ibv_sge,
     ibv_wc,
 )
+from aiordma.verbs.ibverbs.queues cimport WorkQueues
 
 
 cdef class QPPoster:
@@ -35,6 +38,11 @@ cdef class QPPoster:
     # SGE slots per WR: the QP's max_send_sge / max_recv_sge, at least 1
     cdef readonly int send_stride
     cdef readonly int recv_stride
+    # for the C-level operations (cverbs.pxd; QPPoster.attach): the QP's queue
+    # accounting, its state (ibv_qp_state) and a weak reference to its IbvQP
+    cdef WorkQueues queues
+    cdef int state
+    cdef object owner
 
     cdef ibv_send_wr *send_array(self, int n) except NULL
     cdef ibv_recv_wr *recv_array(self, int n) except NULL
@@ -42,10 +50,25 @@ cdef class QPPoster:
     cdef int post_recv_array(self, int n, int *posted) noexcept nogil
 
 
+cdef class _Tracked:
+    cdef uint32_t qp_num
+    cdef WorkQueues queues
+    cdef bint send_side
+    cdef bint recv_side
+    cdef object qp   # a weak reference to the IbvQP
+
+
 cdef class CQPoller:
     cdef ibv_cq *cq
     cdef ibv_wc *wcs
     cdef readonly int entries
+    # for the C-level poll (CQPoller.attach / track): the QPs completing here, by
+    # qp_num (_Tracked), the last one found, a weak reference to the IbvCQ, and whether
+    # completions were lost (the CQ is in error for good)
+    cdef dict tracked
+    cdef _Tracked last
+    cdef object owner
+    cdef bint overrun
 
     cdef int poll_array(self, int n) noexcept nogil
     cdef int arm(self, int solicited_only) noexcept nogil

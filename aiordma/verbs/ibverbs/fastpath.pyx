@@ -18,12 +18,28 @@ The caller checks the work requests (``verbs/contract.py``) and accounts for the
 this module only refuses what would overrun its own arrays.
 """
 
-from libc.errno cimport EAGAIN, EBADF, EINTR, EINVAL, errno
+from cpython.pycapsule cimport PyCapsule_New
+from libc.errno cimport EAGAIN, EBADF, EINTR, EINVAL, ENOMEM, errno
 from libc.stdint cimport uint32_t, uintptr_t
 from libc.stdlib cimport calloc, free, realloc
 from libc.string cimport memcpy, memset
 
 import errno as _errno
+import os
+
+from aiordma.errors import CQOverrunError, PostError
+from aiordma.verbs.enums import WC_OPCODE_FOR_WR, QPState
+
+from aiordma.verbs.cverbs cimport (
+    CCQ_OPS,
+    CQP_OPS,
+    c_cq_ops_t,
+    c_qp_ops_t,
+    c_recv_wr_t,
+    c_send_wr_t,
+    c_wc_t,
+)
+from aiordma.verbs.ibverbs.queues cimport WorkQueues
 
 from aiordma.verbs.ibverbs.libibverbs cimport (
     IBV_QP_AV,
@@ -34,6 +50,8 @@ from aiordma.verbs.ibverbs.libibverbs cimport (
     IBV_QP_RQ_PSN,
     IBV_QP_STATE,
     IBV_QPS_RTR,
+    IBV_SEND_SIGNALED,
+    IBV_WC_WITH_IMM,
     IBV_WR_ATOMIC_CMP_AND_SWP,
     IBV_WR_ATOMIC_FETCH_AND_ADD,
     IBV_WR_RDMA_READ,
@@ -60,6 +78,7 @@ from aiordma.verbs.ibverbs.libibverbs cimport (
 
 cdef extern from "<arpa/inet.h>" nogil:
     uint32_t htonl(uint32_t)
+    uint32_t ntohl(uint32_t)
 
 
 cdef extern from "<errno.h>" nogil:
@@ -71,6 +90,8 @@ _M64 = 0xFFFFFFFFFFFFFFFF
 # first allocation of a WR array (it grows by doubling, up to the queue's depth)
 cdef enum:
     _FIRST_CAP = 16
+    # every receive opcode of ibv_wc_opcode has this bit, no send opcode has it
+    _WC_RECV_BIT = 0x80
 
 
 cdef inline int _grow(int cap, int n, int limit) noexcept nogil:
@@ -142,6 +163,16 @@ cdef class QPPoster:
     def close(self):
         """Post nothing from now on (call it before the QP is destroyed)."""
         self.qp = NULL
+
+    def attach(self, WorkQueues queues not None, owner):
+        """For the C-level posts (``qp_ops``): the QP's queue accounting, and a weak
+        reference to its ``IbvQP`` (a QP in ERR is flushed through it after a post)."""
+        self.queues = queues
+        self.owner = owner
+
+    def set_state(self, int state):
+        """The QP's state (ibv_qp_state), which the C-level posts check."""
+        self.state = state
 
     @property
     def closed(self):
@@ -358,6 +389,10 @@ cdef class QPPoster:
                 f"{self.max_send} recv {self.recv_cap}/{self.max_recv}>")
 
 
+cdef class _Tracked:
+    """A QP whose completions a CQPoller accounts for (CQPoller.track)."""
+
+
 cdef class CQPoller:
     """Polls one CQ (``struct ibv_cq *`` as an int) into this object's array of
     ``entries`` ``struct ibv_wc``. The caller keeps the CQ alive and calls ``close()``
@@ -374,6 +409,7 @@ cdef class CQPoller:
             raise MemoryError()
         self.cq = <ibv_cq *>cq_ptr
         self.entries = entries
+        self.tracked = {}
 
     def __dealloc__(self):
         free(self.wcs)
@@ -381,6 +417,35 @@ cdef class CQPoller:
     def close(self):
         """Poll nothing from now on."""
         self.cq = NULL
+
+    def attach(self, owner):
+        """For the C-level poll (``cq_ops``): a weak reference to the ``IbvCQ`` (told
+        of an overrun through it)."""
+        self.owner = owner
+
+    def track(self, uint32_t qp_num, WorkQueues queues not None, bint send_side,
+              bint recv_side, qp):
+        """The C-level poll accounts for the completions of QP ``qp_num`` in
+        ``queues``; ``send_side``/``recv_side``: whether this CQ is its send and/or
+        receive CQ; ``qp``: a weak reference to its ``IbvQP`` (moved to ERR by an error
+        completion)."""
+        cdef _Tracked t = _Tracked()
+        t.qp_num = qp_num
+        t.queues = queues
+        t.send_side = send_side
+        t.recv_side = recv_side
+        t.qp = qp
+        self.tracked[qp_num] = t
+        self.last = None
+
+    def untrack(self, uint32_t qp_num):
+        """Forget QP ``qp_num`` (destroyed)."""
+        self.tracked.pop(qp_num, None)
+        self.last = None
+
+    def tracked_qps(self):
+        """The qp_nums ``track`` was given (and not ``untrack``), sorted."""
+        return sorted(self.tracked)
 
     cdef int poll_array(self, int n) noexcept nogil:
         """``ibv_poll_cq`` of up to ``n`` (at most ``entries``) completions into
@@ -535,3 +600,6 @@ def abi():
     out["sizeof ibv_sge"] = sizeof(ibv_sge)
     out["sizeof ibv_wc"] = sizeof(ibv_wc)
     return out
+
+
+include "fastpath_cops.pxi"

@@ -35,6 +35,8 @@ cdef extern from "<infiniband/verbs.h>" nogil:
         IBV_WR_RDMA_READ
         IBV_WR_ATOMIC_CMP_AND_SWP
         IBV_WR_ATOMIC_FETCH_AND_ADD
+        IBV_SEND_SIGNALED   # ibv_send_flags
+        IBV_WC_WITH_IMM     # ibv_wc_flags: imm_data holds the sender's immediate data
 
     # (function pointers, declared as void * for their offsets only)
     cdef struct ibv_context_ops:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import weakref
 from typing import TYPE_CHECKING, Any
 
 from ...errors import PostError, RDMAError
@@ -23,6 +24,7 @@ from ..enums import WC_OPCODE_FOR_WR, LinkLayer, QPState, SendFlags
 from ..wr import RecvWR, SendWR
 from . import clib, compat, loader, probe
 from .pyverbs_wrs import PyverbsWRs
+from .queues import WorkQueues
 
 if TYPE_CHECKING:
     from .cq import IbvCQ
@@ -56,15 +58,18 @@ class IbvQP(QP):
         self._pv = pd._pv
         self._ctx = pd.context
         self.qp_num = int(pqp.qp_num)
-        self._state = QPState.RESET
-        self._queues = compat.WorkQueues(cap.max_send_wr, cap.max_recv_wr)
+        self._queues = WorkQueues(cap.max_send_wr, cap.max_recv_wr)
         self._wrs = PyverbsWRs(self._pv, cap.max_recv_wr)
         self._fast: QPPoster | None = self._fast_poster()
+        self._state = QPState.RESET
         self._closed = False
         self._ctx._qps[self.qp_num] = self
         pd._qps.add(self)
         for cq in (send_cq, recv_cq):
             cq._qps[self] = cq._qps.get(self, 0) + 1
+        send_cq._track(self)
+        if recv_cq is not send_cq:
+            recv_cq._track(self)
 
     def _fast_poster(self) -> QPPoster | None:
         """The compiled poster of this QP, or None (not built, not wanted, or its
@@ -83,8 +88,31 @@ class IbvQP(QP):
             log.debug("aiordma: struct ibv_qp of %r not found; posting through pyverbs", self)
             return None
         cap = self.cap
-        return fp.QPPoster(ptr, cap.max_send_wr, cap.max_recv_wr, cap.max_send_sge,
-                           cap.max_recv_sge)
+        poster = fp.QPPoster(ptr, cap.max_send_wr, cap.max_recv_wr, cap.max_send_sge,
+                             cap.max_recv_sge)
+        poster.attach(self._queues, weakref.ref(self))
+        return poster
+
+    @property
+    def _state(self) -> QPState:
+        """The QP's last known state (the compiled poster's copy follows it)."""
+        return self._st
+
+    @_state.setter
+    def _state(self, st: QPState) -> None:
+        self._st = st
+        if self._fast is not None:
+            self._fast.set_state(int(st))
+
+    def c_ops(self) -> Any:
+        """The C-level posts (``api.QP.c_ops``) where this QP posts through the
+        compiled data path: ``fastpath.qp_ops()`` on its ``QPPoster``."""
+        fast = self._fast
+        if fast is None:
+            return None
+        fp = loader.fastpath()
+        assert fp is not None
+        return fp.qp_ops(), fast
 
     @property
     def data_path(self) -> str:
@@ -240,9 +268,9 @@ class IbvQP(QP):
         if not n:
             return
         q = self._queues
-        sq = q.sq
-        if n > q.max_send - len(sq):
-            raise PostError(errno.ENOMEM, f"send queue full ({len(sq)} of {q.max_send} in "
+        if n > q.send_room():
+            used = q.max_send - q.send_room()
+            raise PostError(errno.ENOMEM, f"send queue full ({used} of {q.max_send} in "
                             f"use, {n} more posted)")
         cap = self.cap
         fast = self._fast
@@ -262,8 +290,8 @@ class IbvQP(QP):
                 self._wrs.post_send_one(self._qp, wr, op)
             else:
                 self._wrs.post_send_chain(self._qp, wrs, [op])
-            sq.append((wr.wr_id & _M64, int(wr.send_flags) & _F_SIGNALED != 0,
-                       WC_OPCODE_FOR_WR[op]))
+            q.posted_send(((wr.wr_id & _M64, int(wr.send_flags) & _F_SIGNALED != 0,
+                            WC_OPCODE_FOR_WR[op]),))
         else:
             ops = [check_send_wr(wr, cap)[0] for wr in wrs]
             if fast is not None:
@@ -292,8 +320,8 @@ class IbvQP(QP):
             return
         q = self._queues
         if n > q.recv_room():
-            raise PostError(errno.ENOMEM, f"receive queue full ({len(q.rq)} of {q.max_recv} "
-                            f"in use, {n} more posted)")
+            raise PostError(errno.ENOMEM, f"receive queue full ({q.max_recv - q.recv_room()} "
+                            f"of {q.max_recv} in use, {n} more posted)")
         single = check_recv_wrs(wrs, self.cap)
         fast = self._fast
         if fast is not None:
@@ -301,10 +329,7 @@ class IbvQP(QP):
                 rc, posted = fast.post_recv(wrs)
             except OverflowError as exc:
                 raise InvalidWorkRequest(f"a work request field is out of range: {exc}") from None
-            if posted == n == 1:
-                q.rq.append(wrs[0].wr_id & _M64)
-            else:
-                q.posted_recv(wr.wr_id & _M64 for wr in wrs[:posted])
+            q.posted_recv([wr.wr_id & _M64 for wr in wrs[:posted]])
             if rc:
                 raise _post_error("ibv_post_recv", rc)
         elif single:
@@ -342,5 +367,6 @@ class IbvQP(QP):
             k = cq._qps.get(self, 0) - 1
             if k <= 0:
                 cq._qps.pop(self, None)
+                cq._untrack(self)
             else:
                 cq._qps[self] = k

@@ -384,8 +384,9 @@ cdef class SoftCQ:
         return got
 
     def c_ops(self):
-        """The C-level poll (verbs/cverbs.pxd), in a PyCapsule named ``CCQ_OPS``."""
-        return PyCapsule_New(&_CQ_OPS, CCQ_OPS, NULL)
+        """The C-level poll (verbs/cverbs.pxd): a PyCapsule named ``CCQ_OPS``, and
+        this CQ, its first argument."""
+        return PyCapsule_New(&_CQ_OPS, CCQ_OPS, NULL), self
 
     def poll(self, int n=16):
         cdef c_wc_t buf[32]

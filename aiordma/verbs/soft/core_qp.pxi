@@ -381,8 +381,9 @@ cdef class SoftQP:
             self._lock.release_c()
 
     def c_ops(self):
-        """The C-level posts (verbs/cverbs.pxd), in a PyCapsule named ``CQP_OPS``."""
-        return PyCapsule_New(&_QP_OPS, CQP_OPS, NULL)
+        """The C-level posts (verbs/cverbs.pxd): a PyCapsule named ``CQP_OPS``, and
+        this QP, their first argument."""
+        return PyCapsule_New(&_QP_OPS, CQP_OPS, NULL), self
 
     def close(self):
         self._lock.acquire_c()
