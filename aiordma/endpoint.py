@@ -270,10 +270,35 @@ class Endpoint:
         registered region).
         """
         e = self._engine
+        fut: asyncio.Future[None] = self._loop.create_future()
+        cls = type(data)
+        op: Op | None = None
+        if (cls is bytes or cls is bytearray) and self._life.closing is None:
+            op = e.send_eager(fut, data)  # the usual case: one call into the engine
+            n = len(data)
+        if op is None:
+            op, n = self._queue_send(fut, data)
+        try:
+            if self._reactor.in_place:
+                await self._reactor.wait(fut, op.posted)
+            else:
+                await fut
+        except asyncio.CancelledError:
+            if not op.posted:
+                e.tx.unqueue(e.tx.sendq, op)
+            raise
+        self.messages_sent += 1
+        self.bytes_sent += n
+
+    def _queue_send(self, fut: asyncio.Future[None], data: Any) -> tuple[Op, int]:
+        """``send``'s queueing where ``MessageEngine.send_eager`` did not queue:
+        the precise error raised, or the message queued eagerly or by rendezvous;
+        returns its op and size."""
+        e = self._engine
         if not e.state.can_send or self._life.closing is not None or e.credits is None:
             self._check_send()  # raises the precise error
         cls = type(data)
-        if cls is bytes or cls is bytearray:  # the usual case: flat bytes already
+        if cls is bytes or cls is bytearray:  # flat bytes already
             mv = memoryview(data)
             n = len(data)
         else:
@@ -282,26 +307,13 @@ class Endpoint:
         if n > e.max_message_size:
             raise MessageTooLarge(f"message of {n} bytes exceeds max_message_size "
                                   f"{e.max_message_size}", n)
-        fut: asyncio.Future[None] = self._loop.create_future()
         tx = e.tx
         if n <= e.eager_payload:
-            op = tx.queue_data(fut, mv)
-        else:
-            op = Op(RNDV, fut, payload=self._rndv_source(mv), msg_id=tx.next_msg_id())
-            tx.sendq.append(op)
-            tx.kick()
-        q = tx.sendq
-        try:
-            if self._reactor.in_place:
-                await self._reactor.wait(fut, op.posted)
-            else:
-                await fut
-        except asyncio.CancelledError:
-            if not op.posted:
-                tx.unqueue(q, op)
-            raise
-        self.messages_sent += 1
-        self.bytes_sent += n
+            return tx.queue_data(fut, mv), n
+        op = Op(RNDV, fut, payload=self._rndv_source(mv), msg_id=tx.next_msg_id())
+        tx.sendq.append(op)
+        tx.kick()
+        return op, n
 
     def _rndv_source(self, mv: memoryview) -> Any:
         """A registered, remotely readable copy of (or view on) ``mv`` for rendezvous."""

@@ -170,6 +170,7 @@ class Lifecycle:
         e = self._engine
         if self.closing is None and not e.state.failed:
             self.closing = self._loop.create_future()
+            e.close_watch = True  # (the engine tells us when its work finishes)
             e.shut_wr()
             if not e.ops_pending():
                 self.closing.set_result(None)
@@ -246,6 +247,7 @@ class Lifecycle:
         if self.closing is None:
             self.closing = self._loop.create_future()
             self.closing.set_result(None)
+            self._engine.close_watch = True
         self._engine.fail(ConnectionClosed("endpoint was aborted"))
         if now:
             self.destroy_now()

@@ -120,6 +120,7 @@ cdef class Sender:
     cdef object _frame_wr(self, Op op, int nbytes)
     cdef int _build_data(self, Op op) except -1
     cdef int finish_c(self, Op op, object wc, object exc) except -1
+    cdef Op queue_data_c(self, object fut, object payload)
 
 
 cdef class Receiver:
@@ -159,6 +160,9 @@ cdef class MessageEngine:
     cdef public int64_t max_message_size
     cdef public int inline_cap
     cdef public bint batching
+    # a close() waits for the pending work: tell the port when work finishes
+    # (EnginePort.maybe_closed); the lifecycle sets it when a close begins
+    cdef public bint close_watch
     cdef int _repost_batch_asked
     cdef public Sender tx
     cdef public Receiver rx

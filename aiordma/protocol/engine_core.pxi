@@ -110,7 +110,8 @@ cdef class EnginePort:
         raise NotImplementedError
 
     def maybe_closed(self):
-        """Work finished: a ``close()`` waiting for the pending work may proceed."""
+        """Work finished: a ``close()`` waiting for the pending work may proceed
+        (called only while the engine's ``close_watch`` is set)."""
         raise NotImplementedError
 
 
@@ -145,6 +146,20 @@ cdef class MessageEngine:
         self.credits = CreditState(peer_credits, local_slots,
                                    repost_batch=self._repost_batch_asked)
         self.rx.repost_batch = self.credits.repost_batch
+
+    def send_eager(self, fut, data):
+        """Queue ``data`` (bytes or bytearray) as a DATA message and post what can go,
+        where it may go eagerly now: connected, open for sending, at most
+        ``eager_payload`` bytes. Returns its op (as ``Sender.queue_data``), or None
+        with nothing queued: the caller finds the precise error, or sends it by
+        rendezvous."""
+        cdef Py_ssize_t n
+        if self.credits is None or not self.state.can_send:
+            return None
+        n = len(data)
+        if n > self.eager_payload or n > self.max_message_size:
+            return None
+        return self.tx.queue_data_c(fut, memoryview(data))
 
     def use_qp(self, qp, ops):
         """Post through the C-level operations ``ops`` (the capsule of a QP's

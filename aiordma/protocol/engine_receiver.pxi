@@ -215,7 +215,8 @@ cdef class Receiver:
             e.port.release_source(op.payload)
             if op.fut is not None and not op.fut.done():
                 op.fut.set_result(None)
-            e.port.maybe_closed()
+            if e.close_watch:
+                e.port.maybe_closed()
         elif ftype == T_CLOSE:
             self.rx.append(new_rx(R_EOF, -1, 0, 0))
             self.repost_c(slot)

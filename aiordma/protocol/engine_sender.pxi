@@ -401,13 +401,17 @@ cdef class Sender:
             port.check_drained()
         elif self.sendq or self.oneq or self.ctrlq:
             self.pump_c()
-        port.maybe_closed()
+        if e.close_watch:
+            port.maybe_closed()
         return 0
 
     def queue_data(self, fut, payload):
         """Queue a DATA message (``payload``: its bytes, at most ``eager_payload``; the
         waiter ``fut`` completes when the peer's device has it) and post what can go;
         returns its op (the caller unqueues it if cancelled before it was posted)."""
+        return self.queue_data_c(fut, payload)
+
+    cdef Op queue_data_c(self, object fut, object payload):
         cdef Op op = Op.__new__(Op)
         op.kind = K_DATA
         op.fut = fut
@@ -467,7 +471,8 @@ cdef class Sender:
             port.check_drained()
         elif self.sendq or self.oneq or self.ctrlq:
             self.pump_c()
-        port.maybe_closed()
+        if e.close_watch:
+            port.maybe_closed()
 
     def finish(self, Op op, wc, exc):
         """Complete ``op``: ``wc`` None means an unsignaled success; ``exc`` a local error."""
