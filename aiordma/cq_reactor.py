@@ -403,6 +403,12 @@ class CQReactor:
 
     # -- the poll mode (poll_schedule.py) -----------------------------------------------
     @property
+    def pokes_after_post(self) -> bool:
+        """Whether ``poke()`` after a post does anything in this poll mode (it does
+        nothing in ``blocking``)."""
+        return self.schedule.hybrid or self.schedule.polling
+
+    @property
     def mode(self) -> str:
         """``blocking``, ``hybrid`` or ``polling``."""
         return self.schedule.mode

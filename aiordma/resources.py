@@ -138,6 +138,7 @@ class Resources(EnginePort):
     def attach(self, engine: MessageEngine) -> None:
         """Where the QP has C-level posts (``QP.c_ops``), ``engine`` posts through them,
         with wr_ids of its own, and the reactor hands it their completions."""
+        engine.poke_posts = self.reactor.pokes_after_post
         ops = self.qp.c_ops()
         if ops is not None:
             engine.use_qp(ops[1], ops[0])

@@ -163,6 +163,9 @@ cdef class MessageEngine:
     # a close() waits for the pending work: tell the port when work finishes
     # (EnginePort.maybe_closed); the lifecycle sets it when a close begins
     cdef public bint close_watch
+    # the port wants EnginePort.posted after each post (False: the reactor's poll mode
+    # does nothing with it)
+    cdef public bint poke_posts
     cdef int _repost_batch_asked
     cdef public Sender tx
     cdef public Receiver rx

@@ -269,6 +269,7 @@ class MessageEngine:
     inline_cap: int
     batching: bool
     close_watch: bool
+    poke_posts: bool
     tx: Sender
     rx: Receiver
     def __init__(self, port: EnginePort, *, spool: Slots, rpool: Slots,

@@ -131,6 +131,7 @@ cdef class MessageEngine:
         self.max_message_size = max_message_size
         self.inline_cap = inline_cap
         self.batching = False  # the peer accepts BATCH frames (handshake flag)
+        self.poke_posts = True
         self._repost_batch_asked = repost_batch
         self.tx = Sender(self, spool, frame_wrs,
                          SendQueue(send_depth, signal_interval, signal_bytes))

@@ -303,7 +303,8 @@ cdef class Sender:
             if op.slot is not None and op.wr is not None and int(op.wr.send_flags) & F_INLINE:
                 self.spool.release_c(<int>op.slot)  # inline: the device copied it at post
                 op.slot = None
-        port.posted()
+        if e.poke_posts:
+            port.posted()
         return 0
 
     cdef int _post_c(self, list batch, int last) except -1:
@@ -350,7 +351,8 @@ cdef class Sender:
             if op.slot is not None and self._cwrs[i].send_flags & F_INLINE:
                 spool.release_c(<int>op.slot)  # inline: the device copied it at post time
                 op.slot = None
-        e.port.posted()
+        if e.poke_posts:
+            e.port.posted()
         return 0
 
     cdef int _post_marker_c(self) except -1:

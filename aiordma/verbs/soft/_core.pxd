@@ -139,7 +139,7 @@ cdef class SoftCompChannel:
     cdef long _seen
     cdef bint _suspect
     cdef public bint takeover
-    cdef object _acks
+    cdef set _acks
     cdef void post_event(self, SoftCQ cq)
     cdef bint is_consumer(self) noexcept
     cdef bint defer_ack(self, SoftQP qp)
