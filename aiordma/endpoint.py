@@ -215,7 +215,9 @@ class Endpoint:
         """Counters and queue levels of this endpoint (also after it is closed: the
         counters keep their last values). ``reactor``: the statistics of the CQ
         reactor this endpoint shares with the device's other endpoints on its loop
-        (poll mode, spins, quiet periods; ``CQReactor.statistics``)."""
+        (poll mode, spins, quiet periods; ``CQReactor.statistics``). ``c_path``: the
+        engine posts and polls through the provider's C-level operations (the QP and CQ
+        offer them: ``soft``, and ``verbs`` with its compiled data path)."""
         e = self._engine
         c = e.credits
         return {
@@ -233,6 +235,7 @@ class Endpoint:
             "rx_queued": len(e.rx.rx),
             "staging_registrations": self._res.staging_registrations(),
             "work_requests_posted": e.tx.work_requests_posted,
+            "c_path": e.c_path,
             "state": e.state.state.name,
             "reactor": self._reactor.statistics(),
             "heartbeat": liveness.statistics(self._life.heartbeat),

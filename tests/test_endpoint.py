@@ -49,6 +49,19 @@ async def test_send_recv_sizes(opts: dict) -> None:
             assert await asyncio.wait_for(ep.recv(), T) == data
 
 
+async def test_the_engine_takes_its_c_path_where_the_provider_offers_it(opts: dict) -> None:
+    """``statistics()["c_path"]``: the engine posts and polls through C-level operations
+    on ``soft`` always, on ``verbs`` where its compiled data path runs (which the VM
+    tier requires), on both sides of a connection, and messages flow."""
+    want = opts["provider"] == "soft" or native.build().compiled("verbs")
+    async with pair(opts) as (ep, q):
+        srv = await server_ep(q)
+        assert ep.statistics()["c_path"] is want and srv.statistics()["c_path"] is want
+        for i in range(3):
+            await asyncio.wait_for(ep.send(payload(64, i)), T)
+            assert await asyncio.wait_for(srv.recv(), T) == payload(64, i)
+
+
 @pytest.mark.parametrize("mode", ["blocking", "hybrid", "polling"])
 async def test_every_poll_mode_end_to_end(opts: dict, mode: str) -> None:
     """Eager, BATCH, rendezvous both ways, one-sided ops, atomics and a graceful close

@@ -454,6 +454,8 @@ def test_a_device_s_objects_use_the_compiled_path(provider_name: str) -> None:
         assert (qp.data_path, scq.data_path, rcq.data_path) == ("compiled",) * 3, (
             qp, scq, rcq)
         assert qp._fast.qp_ptr != 0
+        # the message engine's C path: both offer their C-level operations
+        assert qp.c_ops()[1] is qp._fast and rcq.c_ops()[1] is rcq._poller
         # the wake-up path too: events read and acknowledged, the CQ armed, in C
         assert isinstance(rcq.channel._reader, fastpath.ChannelEvents), rcq.channel._reader
         assert rcq._arm is not None

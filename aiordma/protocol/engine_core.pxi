@@ -148,6 +148,11 @@ cdef class MessageEngine:
                                    repost_batch=self._repost_batch_asked)
         self.rx.repost_batch = self.credits.repost_batch
 
+    @property
+    def c_path(self):
+        """True when the engine posts through C-level operations (``use_qp``)."""
+        return self._qp_ops != NULL
+
     def send_eager(self, fut, data):
         """Queue ``data`` (bytes or bytearray) as a DATA message and post what can go,
         where it may go eagerly now: connected, open for sending, at most
