@@ -423,6 +423,13 @@ class CQReactor:
         """True where operations wait in place (``PollSchedule.wait``)."""
         return self.schedule.in_place
 
+    @property
+    def waits(self) -> bool:
+        """True in ``polling`` mode: operations are awaited through ``wait``, which
+        waits in place where it can and keeps the poll ticks going while it is
+        suspended."""
+        return self.schedule.polling
+
     def wait(self, fut: asyncio.Future[T], spin: bool = True) -> Coroutine[Any, Any, T]:
         """``PollSchedule.wait``: to await; returns or raises what ``await fut`` does."""
         return self.schedule.wait(fut, spin)

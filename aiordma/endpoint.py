@@ -282,7 +282,7 @@ class Endpoint:
         if op is None:
             op, n = self._queue_send(fut, data)
         try:
-            if self._reactor.in_place:
+            if self._reactor.waits:
                 await self._reactor.wait(fut, op.posted)
             else:
                 await fut

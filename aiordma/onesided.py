@@ -141,7 +141,7 @@ class OneSided:
         tx.kick()
         fut: asyncio.Future[Any] = op.fut  # type: ignore[assignment]
         try:
-            if self._reactor.in_place:
+            if self._reactor.waits:
                 return await self._reactor.wait(fut, op.posted)
             return await fut
         except asyncio.CancelledError:

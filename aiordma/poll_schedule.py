@@ -29,7 +29,9 @@ Poll policy (``AIORDMA_POLL_MODE``, ``AIORDMA_SPIN_US``):
   which costs more than the spin, and a spin that does not adapt falls off a cliff
   when the cores are shared (each side spins out its budget while the other waits for
   a core); docs/benchmarks.md, "Poll mode", has the measurements.
-* ``polling``: while operations are outstanding, poll once per loop iteration
+* ``polling``: while operations are outstanding -- WRs in the reactor's table, or a
+  task suspended in ``wait`` on an operation's future (a send in flight, a receive
+  awaited: the message engine tracks its own WRs) -- poll once per loop iteration
   (``call_soon``), never arming; when nothing is outstanding, arm and block. (A polled
   CQ's event is read and it is left disarmed, as in ``hybrid``'s spin; the tick that
   finds nothing outstanding arms it and polls it once more.)
@@ -152,13 +154,14 @@ class PollSchedule:
 
     # -- in-place waits (polling) ----------------------------------------------------
     async def wait(self, fut: asyncio.Future[T], spin: bool = True) -> T:
-        """``await fut``, in polling mode (``in_place``): first ``wait_in_place(fut)``
+        """``await fut``, in polling mode: first ``wait_in_place(fut)``
         (unless ``spin`` is false: the completion needs the loop first, e.g. an
         operation not posted yet), and counted in ``suspended`` while the task is
         suspended. Returns or raises what ``await fut`` does; cancellation too."""
         if spin and self.wait_in_place(fut):
             return fut.result()
         self.suspended += 1
+        self._schedule_poll()  # polled while it waits (the poll ticks look at suspended)
         try:
             return await fut
         finally:
@@ -261,16 +264,17 @@ class PollSchedule:
 
     def _poll_tick(self) -> None:
         """polling: one poll of every CQ per loop iteration while operations are
-        outstanding. When none are, the loop stops: the CQs it polled disarmed are armed
-        and drained once more (``arm_idle``), so the next completion wakes the loop."""
+        outstanding (WRs in the reactor's table, or tasks suspended in ``wait``). When
+        none are, the loop stops: the CQs it polled disarmed are armed and drained once
+        more (``arm_idle``), so the next completion wakes the loop."""
         self.poll_scheduled = False
         r = self.r
         if r.closed:
             return
         r.progress_and_drain(True)
-        if not r.outstanding:
+        if not (r.outstanding or self.suspended):
             r.arm_idle()
-        if r.outstanding:
+        if r.outstanding or self.suspended:
             self._schedule_poll()
 
     def statistics(self) -> dict[str, Any]:

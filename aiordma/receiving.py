@@ -112,7 +112,7 @@ class Receiving:
         fut: asyncio.Future[None] = self._loop.create_future()
         waiters.append(fut)
         try:
-            if self._reactor.in_place:
+            if self._reactor.waits:
                 await self._reactor.wait(fut)
             else:
                 await fut

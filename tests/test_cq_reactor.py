@@ -222,6 +222,31 @@ async def _wake_and_spin(r: CQReactor, cq: FakeCQ) -> None:
     assert cq.events == 1 and r.statistics()["wakeups"] == 1 and r.schedule.spin_scheduled
 
 
+async def test_polling_polls_while_a_task_waits_on_an_operation() -> None:
+    """The message engine's WRs are not in the reactor's table: a task suspended in
+    ``wait`` (a send in flight, a receive awaited) keeps the poll ticks going, with
+    nothing in the table; once it has returned they stop, and every CQ is armed."""
+    loop = asyncio.get_running_loop()
+    r = CQReactor(FakeCtx(), loop, mode="polling", spin_us=0)  # type: ignore[arg-type]
+    cq: FakeCQ = r.acquire_cq(8)  # type: ignore[assignment]
+    assert r.waits and r.outstanding == 0
+    fut: asyncio.Future[int] = loop.create_future()
+    task = asyncio.ensure_future(r.wait(fut))
+    await asyncio.sleep(0)  # the task suspends in wait
+    polls = r.statistics()["polls"]
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert r.statistics()["polls"] >= polls + 4 and r.schedule.suspended == 1
+    fut.set_result(7)
+    assert await asyncio.wait_for(task, 2) == 7
+    await _yield_while(lambda: r.schedule.poll_scheduled, "the poll ticks")
+    polls = r.statistics()["polls"]
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert r.statistics()["polls"] == polls and cq.armed
+    r.close()
+
+
 async def test_hybrid_leaves_the_cq_disarmed_while_its_spin_polls_it() -> None:
     """After the wake-up the spin polls the CQ: it is not re-armed, so the completions
     that the spin catches raise no event. The tick that ends the spin arms it, and a
