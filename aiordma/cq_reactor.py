@@ -61,7 +61,8 @@ class _CQSlot:
     """One CQ, its channel, and the capacity reserved on it."""
 
     __slots__ = ("cq", "channel", "capacity", "reserved", "unacked", "fd", "progress_fd",
-                 "progress", "flush_scheduled", "armed", "c_ops", "c_target")
+                 "progress", "flush_scheduled", "armed", "c_ops", "c_target", "get_event",
+                 "req_notify")
 
     def __init__(self, cq: CQ, channel: CompChannel, capacity: int) -> None:
         self.cq = cq
@@ -74,6 +75,9 @@ class _CQSlot:
         self.progress: Callable[..., int] | None = None
         self.flush_scheduled = False
         self.armed = False  # req_notify'd since its last event (see _arm_idle)
+        # the calls of every wake-up, bound once (not looked up by name each time)
+        self.get_event: Callable[[], CQ | None] = channel.get_event
+        self.req_notify: Callable[[], None] = cq.req_notify
         # its C-level poll (a capsule) and that poll's first argument, where the
         # provider has one
         ops = cq.c_ops()
@@ -125,6 +129,11 @@ class CQReactor:
         self.arms = 0
         self.completions = 0
         self.unknown_wr_ids = 0
+        # what every wake-up passes on, bound once (not a bound method made per call)
+        self._dispatch_one_cb: Callable[[WC], None] = self._dispatch_one
+        self._handler_raised_cb: Callable[[BaseException], None] = self._handler_raised
+        self._flush_cb: Callable[[_CQSlot], None] = self._flush
+        self._call_soon: Callable[..., Any] = loop.call_soon
 
     @classmethod
     def for_context(cls, ctx: Context, loop: asyncio.AbstractEventLoop | None = None,
@@ -237,7 +246,7 @@ class CQReactor:
                 slot.channel.flush()
             elif not slot.flush_scheduled:
                 slot.flush_scheduled = True
-                self.loop.call_soon(self._flush, slot)
+                self._call_soon(self._flush_cb, slot)
 
     def expedite(self) -> None:
         """Called by a completion handler: the application will not answer what it was
@@ -270,7 +279,7 @@ class CQReactor:
         self.wakeups += 1
         schedule = self.schedule
         schedule.woke()
-        if slot.channel.get_event() is not None:
+        if slot.get_event() is not None:
             slot.armed = False  # an event disarms the CQ
             slot.unacked += 1
             if slot.unacked >= _ACK_BATCH:
@@ -283,7 +292,7 @@ class CQReactor:
         schedule.poke()
 
     def _arm(self, slot: _CQSlot) -> None:
-        slot.cq.req_notify()
+        slot.req_notify()
         slot.armed = True
         self.arms += 1
 
@@ -347,7 +356,7 @@ class CQReactor:
                 self.polls += 1
                 try:
                     n = poll_dispatch(slot.c_target, slot.c_ops, self._engines, _POLL_BATCH,
-                                      self._dispatch_one, self._handler_raised)
+                                      self._dispatch_one_cb, self._handler_raised_cb)
                 except CQOverrunError as exc:
                     self._fail_all(exc)
                     return total

@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import secrets
+from collections.abc import Callable
 from typing import Any, Final
 
 from . import liveness
@@ -42,7 +43,14 @@ from .lifecycle import Lifecycle, uncancelled
 from .memory import MemoryRegion, RemoteBuffer
 from .onesided import OneSided
 from .options import EndpointOptions
-from .protocol.engine import HANDSHAKE_FLAG_BATCH, RNDV, RX_DATA, MessageEngine, Op
+from .protocol.engine import (
+    HANDSHAKE_FLAG_BATCH,
+    RNDV,
+    RX_DATA,
+    MessageEngine,
+    Op,
+    register_waiter_type,
+)
 from .protocol.handshake import Hello
 from .protocol.heartbeat import HANDSHAKE_FLAG_LIVENESS
 from .protocol.state import Local, Remote
@@ -52,6 +60,10 @@ from .verbs import Access, AsyncEvent, EventType
 
 _REMOTE_READ: Final = int(Access.REMOTE_READ)
 _BUSY_READ_AHEAD: Final = 4 << 20  # staging bytes read ahead while a receive is in progress
+
+# The engine resolves the endpoint's waiters (``loop.create_future()``: exactly an
+# asyncio.Future, on asyncio's loop and on uvloop) without a method lookup per message.
+register_waiter_type(asyncio.Future)
 
 
 
@@ -95,6 +107,13 @@ class Endpoint:
             signal_interval=opts.signal_interval, signal_bytes=opts.signal_bytes,
             repost_batch=opts.repost_batch, rndv_prefetch=opts.rndv_prefetch,
             busy_ahead=min(opts.rndv_prefetch, _BUSY_READ_AHEAD))
+        # the per-message calls, bound once (a method looked up by name, or a bound
+        # method made, at every call costs more than the call itself)
+        self._create_future: Callable[[], asyncio.Future[Any]] = loop.create_future
+        self._send_eager: Callable[[asyncio.Future[None], Any], Op | None] = (
+            self._engine.send_eager)
+        self._take_data: Callable[[], bytes | None] = self._engine.rx.take_data
+        self._rxq: Any = self._engine.rx.rx  # the received messages (a deque, kept)
         self._life = Lifecycle(self, loop, self._engine, res, opts.close_timeout)
         self._one = OneSided(self)
         self._rcv = Receiving(self)
@@ -273,11 +292,11 @@ class Endpoint:
         registered region).
         """
         e = self._engine
-        fut: asyncio.Future[None] = self._loop.create_future()
+        fut: asyncio.Future[None] = self._create_future()
         cls = type(data)
         op: Op | None = None
         if (cls is bytes or cls is bytearray) and self._life.closing is None:
-            op = e.send_eager(fut, data)  # the usual case: one call into the engine
+            op = self._send_eager(fut, data)  # the usual case: one call into the engine
             n = len(data)
         if op is None:
             op, n = self._queue_send(fut, data)
@@ -339,11 +358,11 @@ class Endpoint:
         is delivered) or when the connection failed. Cancellation never loses a message.
         """
         rx = self._engine.rx
-        rxq = rx.rx
+        rxq = self._rxq
         if not rxq and not rx.receivers and self._reactor.in_place:
             self._rcv.wait_in_place()
         if rxq and not rx.receivers:
-            data = rx.take_data()  # already here, nobody queued before us: no lock
+            data = self._take_data()  # already here, nobody queued before us: no lock
             if data is not None:
                 return data
         rx.receivers += 1

@@ -63,6 +63,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 from .spin_policy import PREEMPT_GAP_S, SpinGovernor
@@ -118,6 +119,11 @@ class PollSchedule:
         self.in_place = False  # polling mode, a spin budget and a CQ to poll in place
         self.suspended = 0  # tasks suspended in ``wait`` (they may be ready to run)
         self._held_since = -1.0  # in-place waits hold the loop since (-1: it has turned)
+        # the callbacks of every tick, bound once (not a bound method made per tick)
+        self._call_soon: Callable[..., Any] = self.loop.call_soon
+        self._spin_tick_cb: Callable[[], None] = self._spin_tick
+        self._poll_tick_cb: Callable[[], None] = self._poll_tick
+        self._loop_turned_cb: Callable[[], None] = self._loop_turned
         # statistics
         self.in_place_waits = 0
         self.in_place_hits = 0
@@ -190,7 +196,7 @@ class PollSchedule:
         whole = held < 0.0  # the loop has turned: this wait has the whole budget
         if whole:
             self._held_since = held = now
-            self.loop.call_soon(self._loop_turned)
+            self._call_soon(self._loop_turned_cb)
         deadline = held + budget
         if now >= deadline:
             return False
@@ -224,7 +230,7 @@ class PollSchedule:
             self._spin_hit = False
             self.spin.start(now)
             self.spins += 1
-            self.loop.call_soon(self._spin_tick)
+            self._call_soon(self._spin_tick_cb)
 
     def _spin_tick(self) -> None:
         self.spin_scheduled = False
@@ -249,7 +255,7 @@ class PollSchedule:
             self.spin_deadline = now + self.spin_us * 1e-6
         if now < self.spin_deadline:
             self.spin_scheduled = True
-            self.loop.call_soon(self._spin_tick)
+            self._call_soon(self._spin_tick_cb)
         elif self._spin_hit:
             self.spin.hit()
         else:
@@ -260,7 +266,7 @@ class PollSchedule:
     def _schedule_poll(self) -> None:
         if not self.poll_scheduled and not self.r.closed:
             self.poll_scheduled = True
-            self.loop.call_soon(self._poll_tick)
+            self._call_soon(self._poll_tick_cb)
 
     def _poll_tick(self) -> None:
         """polling: one poll of every CQ per loop iteration while operations are

@@ -235,3 +235,29 @@ def _put(buf, off: int, data: bytes) -> int:  # type: ignore[no-untyped-def]
 
 def _spool_of(e):  # type: ignore[no-untyped-def]
     return e.tx.spool
+
+
+def test_a_registered_waiter_type_is_resolved_through_its_class_and_others_by_name() -> None:
+    """``register_waiter_type``: a waiter of exactly the registered class is resolved
+    through the class's own ``done``/``set_result`` (taken once); a waiter of another
+    class -- a subclass too -- through its attributes, looked up by name."""
+    from aiordma.protocol.engine import register_waiter_type, wake
+
+    class Sub(Waiter):
+        pass
+
+    def shadowed(w: Waiter) -> Waiter:
+        w.done = lambda: True  # type: ignore[method-assign]  # claims to be done already
+        return w
+
+    before = register_waiter_type(Waiter)
+    try:
+        exact, sub = shadowed(Waiter()), shadowed(Sub())
+        wake([exact, sub])
+        assert exact.resolved and exact.result is None  # the class's done(): not done
+        assert not sub.resolved  # by name: its own done() says it is
+        with pytest.raises(AttributeError):
+            register_waiter_type(int)
+        assert register_waiter_type(Waiter) is Waiter  # the failed one changed nothing
+    finally:
+        register_waiter_type(before)

@@ -103,6 +103,8 @@ cdef class Sender:
     cdef public object ctrlq
     cdef public object oneq
     cdef public object sendq
+    cdef object _sendq_append   # sendq's bound methods: no method lookup per message
+    cdef object _sendq_popleft
     cdef public dict rndv_out
     cdef uint32_t _msg_ids
     cdef public bint in_tick
@@ -133,6 +135,8 @@ cdef class Receiver:
     cdef public long posted
     cdef list _repost_q
     cdef public object rx
+    cdef object _rx_append      # rx's bound methods: no method lookup per message
+    cdef object _rx_popleft
     cdef public list rx_waiters
     cdef public object imm
     cdef public list imm_waiters
@@ -148,6 +152,7 @@ cdef class Receiver:
     cdef int _on_frame(self, int slot, int opcode, uint32_t imm, Py_ssize_t byte_len) except -1
     cdef int repost_c(self, int slot) except -1
     cdef int flush_reposts_c(self) except -1
+    cdef int consume_data_c(self, Rx rx) except -1
 
 
 cdef class MessageEngine:

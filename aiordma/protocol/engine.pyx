@@ -61,6 +61,14 @@ from aiordma.verbs.wr import WC
 from .errors import LocalProtocolError, RemoteProtocolError
 from .state import ConnectionState, Event, Local, Remote
 
+# The enum members the data path compares with, looked up once: a member's lookup on
+# its class goes through the enum's metaclass (``EnumType.__getattr__`` on Python
+# 3.11), some 800 instructions each time.
+cdef object REMOTE_GONE = Remote.GONE
+cdef object LOCAL_CLOSE_SENT = Local.CLOSE_SENT
+cdef object EV_RECV_DATA = Event.RECV_DATA
+cdef object EV_RECV_CLOSE = Event.RECV_CLOSE
+
 include "engine_slots.pxi"
 include "engine_credits.pxi"
 include "engine_framing.pxi"

@@ -165,7 +165,9 @@ cdef class MessageEngine:
         n = len(data)
         if n > self.eager_payload or n > self.max_message_size:
             return None
-        return self.tx.queue_data_c(fut, memoryview(data))
+        # bytes are immutable: the op holds them as they are; a bytearray is held
+        # through a memoryview, which keeps it from being resized until it is copied
+        return self.tx.queue_data_c(fut, data if type(data) is bytes else memoryview(data))
 
     def use_qp(self, qp, ops):
         """Post through the C-level operations ``ops`` (the capsule of a QP's
@@ -202,9 +204,9 @@ cdef class MessageEngine:
         st = self.state
         if not st.failed and final:
             st.handle(Event.CLOSE)
-        if st.local is Local.CLOSE_SENT and not st.failed:
+        if st.local is LOCAL_CLOSE_SENT and not st.failed:
             return True
-        if st.failed or st.remote is Remote.GONE:
+        if st.failed or st.remote is REMOTE_GONE:
             waiter.set_exception(self.closed_error() if st.failed
                                  else ConnectionClosed("the peer closed the connection"))
             return False

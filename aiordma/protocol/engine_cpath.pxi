@@ -68,13 +68,13 @@ def poll_dispatch(cq, ops, dict engines, int budget, other, report):
         wc = &wcs[i]
         try:
             if wc.wr_id & WR_ENGINE_C:
-                found = engines.get(wc.qp_num)
+                found = engines.get(wc.qp_num)  # (per completion: a handler may detach one)
                 if found is None:
                     other(make_wc(wc))
                     continue
                 eng = <MessageEngine>found
                 if wc.wr_id & WR_RECV_C:
-                    eng.rx.on_wc_c(wc, <int>(wc.wr_id & 0xFFFFFFFF))
+                    eng.rx.on_wc_c(wc, <int>(wc.wr_id & <uint64_t>0xFFFFFFFF))
                 else:
                     eng.tx.on_wc_c(wc)
             else:

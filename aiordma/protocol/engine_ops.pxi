@@ -118,6 +118,43 @@ def wake(list waiters):
 
 cdef inline void wake_c(list waiters) except *:
     for w in waiters:
-        if not w.done():
-            w.set_result(None)
+        resolve_c(w, None)
     del waiters[:]
+
+
+# The waiter class the engine's driver uses (``register_waiter_type``: the endpoint's
+# asyncio.Future), its ``done`` and ``set_result`` taken unbound once: a waiter of
+# exactly that class is resolved without a method lookup per call; any other (the
+# sans-IO tests' recorders) by name.
+cdef object WAITER_TYPE = None
+cdef object WAITER_DONE = None
+cdef object WAITER_SET_RESULT = None
+
+
+def register_waiter_type(cls):
+    """Resolve waiters of exactly class ``cls`` through its ``done`` and ``set_result``
+    taken once (they must behave as ``Waiter``'s; a subclass's waiters, or ones whose
+    instances override them, are not of exactly ``cls`` or must not be registered);
+    None clears the registration. Returns the class registered before (None: none);
+    raises AttributeError, changing nothing, when ``cls`` lacks them."""
+    global WAITER_TYPE, WAITER_DONE, WAITER_SET_RESULT
+    done = set_result = None
+    if cls is not None:
+        done, set_result = cls.done, cls.set_result
+    old = WAITER_TYPE
+    WAITER_TYPE, WAITER_DONE, WAITER_SET_RESULT = cls, done, set_result
+    return old
+
+
+cdef inline int resolve_c(object w, object result) except -1:
+    """Set waiter ``w``'s result to ``result`` unless it is done (cancelled, say);
+    returns 1 when it set it, else 0."""
+    if type(w) is WAITER_TYPE:
+        if WAITER_DONE(w):
+            return 0
+        WAITER_SET_RESULT(w, result)
+        return 1
+    if w.done():
+        return 0
+    w.set_result(result)
+    return 1

@@ -35,7 +35,9 @@ cdef class Receiver:
         self.busy_ahead = busy_ahead
         self.posted = 0  # receive WRs posted and not completed
         self._repost_q = []
-        self.rx = deque()
+        self.rx = deque()  # (never replaced: its bound methods are kept)
+        self._rx_append = self.rx.append
+        self._rx_popleft = self.rx.popleft
         self.rx_waiters = []
         self.imm = deque()
         self.imm_waiters = []
@@ -173,16 +175,16 @@ cdef class Receiver:
                 credits.on_credits_c(f.credits)
             ftype = f.type
             if ftype == T_CLOSE:
-                st.handle(Event.RECV_CLOSE)
+                st.handle(EV_RECV_CLOSE)
             elif ftype == T_DATA or ftype == T_BATCH or ftype == T_RNDV:
                 if not st.can_receive:  # (else RECV_DATA changes nothing)
-                    st.handle(Event.RECV_DATA)
+                    st.handle(EV_RECV_DATA)
         except RemoteProtocolError as exc:
             self.rpool.release_c(slot)
             e.fail(exc)
             return 0
         if ftype == T_DATA:
-            self.rx.append(new_rx(R_DATA, slot, base + f.payload_offset, f.payload_len))
+            self._rx_append(new_rx(R_DATA, slot, base + f.payload_offset, f.payload_len))
             if self.rx_waiters:
                 wake_c(self.rx_waiters)
         elif ftype == T_BATCH:
@@ -260,16 +262,20 @@ cdef class Receiver:
         if rpool.mem == NULL or rx.offset + rx.length > rpool._size:
             raise ValueError("the receive buffers are gone")
         data = PyBytes_FromStringAndSize(<char *>rpool.mem + rx.offset, rx.length)
-        self.consume_data(rx)
+        self.consume_data_c(rx)
         return data
 
     def consume_data(self, Rx rx):
         """The application took DATA message ``rx`` (the receive queue's head)."""
-        self.rx.popleft()
+        self.consume_data_c(rx)
+
+    cdef int consume_data_c(self, Rx rx) except -1:
+        self._rx_popleft()
         self.messages_received += 1
         self.bytes_received += rx.length
         if rx.slot >= 0:  # -1: a BATCH message whose buffer a later one re-posts
             self.repost_c(rx.slot)
+        return 0
 
     def consume_rndv(self, Rx rx):
         """The application took rendezvous message ``rx``: release its staging, tell the
@@ -342,6 +348,6 @@ cdef class Receiver:
     def _prefetch_deferred(self):
         self._prefetch_scheduled = False
         st = self.e.state
-        if self.receivers or st.failed or st.remote is Remote.GONE:
+        if self.receivers or st.failed or st.remote is REMOTE_GONE:
             return
         self.read_ahead(self.rndv_prefetch)

@@ -47,7 +47,9 @@ cdef class Sender:
         self.sq = sq
         self.ctrlq = deque()
         self.oneq = deque()
-        self.sendq = deque()
+        self.sendq = deque()  # (never replaced: its bound methods are kept)
+        self._sendq_append = self.sendq.append
+        self._sendq_popleft = self.sendq.popleft
         self.rndv_out = {}  # msg_id -> its RNDV op, until RNDV_DONE
         self._msg_ids = 0
         self.in_tick = False  # the post fast path was used since the last completion
@@ -105,7 +107,7 @@ cdef class Sender:
         cdef Op op
         cdef int kind
         st = e.state
-        if st.failed or st.remote is Remote.GONE or credits is None:
+        if st.failed or st.remote is REMOTE_GONE or credits is None:
             return 0
         batch = []
         room = self.sq.depth - self.sq._n
@@ -136,7 +138,7 @@ cdef class Sender:
             if kind == K_DATA or kind == K_RNDV:
                 if not spool._nfree:
                     break
-                self.sendq.popleft()
+                self._sendq_popleft()
                 credits.consume_c(False)
                 if kind == K_RNDV:
                     self._build_rndv(op)
@@ -145,11 +147,11 @@ cdef class Sender:
                 else:
                     self._build_data(op)
             else:  # IMM takes a credit; WRITE (a leading piece of a long one) none
-                self.sendq.popleft()
+                self._sendq_popleft()
                 if kind == K_IMM:
                     credits.consume_c(False)
             batch.append(op)
-        final_close = st.final and st.local is Local.CLOSE_SENT
+        final_close = st.final and st.local is LOCAL_CLOSE_SENT
         if (credits.should_send_credit_c() and room > len(batch) and spool._nfree
                 and not final_close):
             op = Op(K_CTRL, None, payload=(FrameType.CREDIT, 0))
@@ -419,7 +421,7 @@ cdef class Sender:
         op.fut = fut
         op.payload = payload
         op.msg_id = 0
-        self.sendq.append(op)
+        self._sendq_append(op)
         self.kick_c()
         return op
 
@@ -497,11 +499,12 @@ cdef class Sender:
         fut = op.fut
         if op.kind == K_BATCH:
             for m in op.payload:
-                if m.fut is not None and not m.fut.done():
-                    if exc is None:
-                        m.fut.set_result(None)
-                    else:
-                        m.fut.set_exception(exc)
+                if m.fut is None:
+                    continue
+                if exc is None:
+                    resolve_c(m.fut, None)
+                elif not m.fut.done():
+                    m.fut.set_exception(exc)
             return 0
         if op.kind == K_RNDV:
             if exc is not None:
@@ -510,14 +513,12 @@ cdef class Sender:
                 if fut is not None and not fut.done():
                     fut.set_exception(exc)
             return 0  # success: the user's waiter completes on RNDV_DONE
-        if fut is None or fut.done():
+        if fut is None:
             return 0
-        if exc is not None:
+        if exc is None:
+            resolve_c(fut, old if op.kind == K_ATOMIC else None)
+        elif not fut.done():
             fut.set_exception(exc)
-        elif op.kind == K_ATOMIC:
-            fut.set_result(old)
-        else:
-            fut.set_result(None)
         return 0
 
     def _op_error(self, wc):
