@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 from test_verbs_provider import Pair, Resources, S, poll_n, send, sge
 
-from aiordma.verbs import Access, Context, WROpcode
+from aiordma.verbs import MR, Access, Context, WROpcode
 from aiordma.verbs.soft.keys import KeyStream, permute, random_qpn
 
 
@@ -71,6 +71,34 @@ def test_keys_of_a_pd_never_repeat_and_revoked_stays_revoked(soft_ctx: Context) 
                             rkey=old_rkey)])
         (wc,) = poll_n(p.cq_a, 1)
         assert wc.status == S.REM_ACCESS_ERR
+    finally:
+        res.close()
+
+
+def test_a_key_used_lately_is_revoked_with_its_region(soft_ctx: Context) -> None:
+    """The device remembers the regions of the keys it used lately (a cache in front of
+    its key table): an rkey that served a READ fails the next READ once its region is
+    deregistered (REM_ACCESS_ERR), and so does a local key (LOC_PROT_ERR)."""
+    res = Resources(soft_ctx)
+    try:
+        buf = bytearray(b"secret!!" * 8)
+
+        def read(p: Pair, local: MR, target: MR) -> S:
+            p.a.post_send([send(1, [sge(local)], WROpcode.RDMA_READ, remote_addr=target.addr,
+                                rkey=target.rkey)])
+            (wc,) = poll_n(p.cq_a, 1)
+            return wc.status
+
+        for revoke in ("remote", "local"):
+            p = Pair(soft_ctx, res)
+            into = bytearray(64)
+            local = res.add(p.pd_a.reg_mr(into, Access.LOCAL_WRITE))
+            target = res.add(p.pd_b.reg_mr(buf, Access.LOCAL_WRITE | Access.REMOTE_READ))
+            assert read(p, local, target) == S.SUCCESS  # both keys looked up, remembered
+            assert bytes(into[:8]) == b"secret!!"
+            (target if revoke == "remote" else local).close()  # (closing twice is fine)
+            assert read(p, local, target) == (S.REM_ACCESS_ERR if revoke == "remote"
+                                              else S.LOC_PROT_ERR)
     finally:
         res.close()
 

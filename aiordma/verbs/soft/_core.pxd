@@ -8,6 +8,7 @@
 # Every structure here is protected by the device lock (``DeviceLock``) except where a
 # comment says otherwise; the GIL makes each C-level update atomic for Python threads.
 
+from cpython.object cimport PyObject
 from cpython.pythread cimport PyThread_type_lock
 from libc.stdint cimport int64_t, uint8_t, uint16_t, uint32_t, uint64_t
 
@@ -117,8 +118,16 @@ cdef class SoftMR:
     cdef void unpin(self)
 
 
+cdef enum:
+    KEY_CACHE = 64  # KeyTable's direct-mapped cache (a power of two)
+
+
 cdef class KeyTable:
     cdef dict _by_key
+    # recent lookups, slot key % KEY_CACHE: the key and its MR (borrowed: _by_key holds
+    # it; remove() clears the slot before it goes)
+    cdef uint32_t _ckey[KEY_CACHE]
+    cdef PyObject *_cmr[KEY_CACHE]
     cdef SoftMR lookup(self, uint32_t key)
 
 
@@ -128,6 +137,8 @@ cdef class SoftCompChannel:
     cdef PipeFlag _flag
     cdef public int fd
     cdef object _events
+    cdef object _events_append   # _events's bound methods: no lookup per event
+    cdef object _events_popleft
     cdef public int _ncqs
     cdef public bint _closed
     cdef int _ep
@@ -225,6 +236,8 @@ cdef class Conn:
     cdef void _broken(self)
     cdef void update_sel(self)
     cdef int _read_input(self) except -1
+    cdef int on_readable_c(self) except -1
+    cdef bint cma_ready_c(self) except -1
     cdef bint _fill(self) except -1
     cdef void _take_stage(self) except *
     cdef void _give_stage(self) noexcept

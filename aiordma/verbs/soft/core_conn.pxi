@@ -137,6 +137,9 @@ cdef class Conn:
     def cma_ready(self):
         """Requester: True when requests on this connection may use CMA (probing first
         if nobody did yet)."""
+        return self.cma_ready_c()
+
+    cdef bint cma_ready_c(self) except -1:
         if self.cma == C_CMA_UNKNOWN:
             self.cma_start()
         return self.cma == C_CMA_ON
@@ -434,7 +437,7 @@ cdef class Conn:
             finally:
                 lock.release_c()
         if mask & 1 and self.reading:
-            self.on_readable()
+            self.on_readable_c()
 
     def _on_writable(self):
         if self.state == C_CONNECTING:
@@ -459,7 +462,7 @@ cdef class Conn:
         cdef DeviceLock lock = self._lock
         lock.release_c()
         try:
-            self.on_readable()
+            self.on_readable_c()
         finally:
             lock.acquire_c()
 
@@ -467,11 +470,14 @@ cdef class Conn:
         """The driver's thread, device lock NOT held: read and dispatch as much as the
         budget allows. One thread at a time: a second caller returns at once (the
         socket stays readable, so its driver comes back for what is left)."""
+        self.on_readable_c()
+
+    cdef int on_readable_c(self) except -1:
         cdef DeviceLock lock = self._lock
         lock.acquire_c()
         try:
             if self._busy:
-                return
+                return 0
             self._busy = True
             try:
                 self._read_input()
@@ -483,6 +489,7 @@ cdef class Conn:
                     self._give_stage()  # an idle connection holds no staging buffer
         finally:
             lock.release_c()
+        return 0
 
     cdef int _read_input(self) except -1:
         """Lock held for the whole batch (one acquisition, not one per message), but

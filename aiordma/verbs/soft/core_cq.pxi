@@ -29,7 +29,9 @@ cdef class SoftCompChannel:
         self._lock = ctx._engine.lock
         self._flag = PipeFlag()
         self.fd = self._flag.fd
-        self._events = collections.deque()
+        self._events = collections.deque()  # (never replaced: its bound methods are kept)
+        self._events_append = self._events.append
+        self._events_popleft = self._events.popleft
         self._ncqs = 0
         self._closed = False
         self._ep = -1
@@ -52,7 +54,7 @@ cdef class SoftCompChannel:
 
     cdef void post_event(self, SoftCQ cq):
         """Queue an event for ``cq`` (device lock held)."""
-        self._events.append(cq)
+        self._events_append(cq)
         if not (self._quiet and self.is_consumer()):
             self._flag.raise_c()
 
@@ -126,7 +128,7 @@ cdef class SoftCompChannel:
                 self._quiet = True
                 try:
                     if conn.reading:
-                        conn.on_readable()
+                        conn.on_readable_c()
                 finally:
                     self._quiet = False
                 return 1
@@ -148,7 +150,7 @@ cdef class SoftCompChannel:
                     finally:
                         self._lock.release_c()
                 if events[i].events & (EPOLLIN | EPOLLERR | EPOLLHUP) and conn.reading:
-                    conn.on_readable()
+                    conn.on_readable_c()
         finally:
             self._quiet = False
         return n
@@ -219,7 +221,9 @@ cdef class SoftCompChannel:
     def _forget(self, cq):
         """Drop the not-yet-read events of a destroyed CQ (device lock held)."""
         if cq in self._events:
-            self._events = collections.deque(c for c in self._events if c is not cq)
+            kept = [c for c in self._events if c is not cq]
+            self._events.clear()
+            self._events.extend(kept)
             if not self._events:
                 self._flag.lower_c()
 
@@ -230,7 +234,7 @@ cdef class SoftCompChannel:
         try:
             if not self._events:
                 return None
-            cq = <SoftCQ>self._events.popleft()
+            cq = <SoftCQ>self._events_popleft()
             cq._events_got += 1
             if not self._events:
                 self._flag.lower_c()

@@ -76,6 +76,7 @@ cdef class KeyTable:
 
     def __init__(self):
         self._by_key = {}
+        memset(self._ckey, 0, sizeof(self._ckey))  # 0 is no key: every slot empty
 
     def add(self, SoftMR mr):
         stream = mr.pd._keys
@@ -86,10 +87,23 @@ cdef class KeyTable:
                 return key
 
     def remove(self, key):
+        cdef uint32_t k = key
+        cdef int i = k & (KEY_CACHE - 1)
+        if self._ckey[i] == k:
+            self._ckey[i] = 0
         self._by_key.pop(key, None)
 
     def get(self, key):
         return self._by_key.get(key)
 
     cdef SoftMR lookup(self, uint32_t key):
-        return <SoftMR>self._by_key.get(key)
+        """The MR of ``key`` (None: no such key). The data path's: a key seen lately
+        is found in the cache, without a dict lookup."""
+        cdef int i = key & (KEY_CACHE - 1)
+        if key and self._ckey[i] == key:
+            return <SoftMR>self._cmr[i]
+        mr = self._by_key.get(key)
+        if mr is not None:
+            self._ckey[i] = key
+            self._cmr[i] = <PyObject *>mr
+        return <SoftMR>mr

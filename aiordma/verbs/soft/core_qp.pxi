@@ -575,7 +575,7 @@ cdef int build_swqe(SoftQP qp, swqe_t *w, int wrop, int flags, uint64_t wr_id, s
             w.error = WC_LOC_PROT_ERR
         else:
             pin_segs(w.segs, w.nsegs)
-    if length > wire.MAX_MSG:
+    if length > WIRE_MAX_MSG:
         w.error = WC_LOC_LEN_ERR
     hdr_set(&h, w.op, 0, w.length)
     if flags & SF_SOLICITED:

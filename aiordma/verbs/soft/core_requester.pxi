@@ -132,7 +132,7 @@ cdef int pump(SoftQP qp) except -1:
         if conn is None:
             await_peer_conn(qp)
             return 0
-    cma_min = conn.cma_min if conn.cma_ready() else -1
+    cma_min = conn.cma_min if conn.cma_ready_c() else -1
     if not qp._sq_nsent:
         qp._progress = monotonic()
     if qp._ack_pending >= 0 and conn is qp._resp_conn:

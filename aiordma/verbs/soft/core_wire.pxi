@@ -33,6 +33,9 @@ cdef enum:
     IOV_SIZE = 16
     PSN_MASK = 0xFFFFFF
 
+# the largest message (wire.py's MAX_MSG, taken once: not a module lookup per post)
+cdef int64_t WIRE_MAX_MSG = wire.MAX_MSG
+
 
 cdef inline void _put16(unsigned char *p, uint16_t v) noexcept nogil:
     p[0] = v & 0xFF
