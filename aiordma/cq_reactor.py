@@ -62,7 +62,7 @@ class _CQSlot:
 
     __slots__ = ("cq", "channel", "capacity", "reserved", "unacked", "fd", "progress_fd",
                  "progress", "flush_scheduled", "armed", "c_ops", "c_target", "get_event",
-                 "req_notify")
+                 "req_notify", "flush")
 
     def __init__(self, cq: CQ, channel: CompChannel, capacity: int) -> None:
         self.cq = cq
@@ -78,6 +78,9 @@ class _CQSlot:
         # the calls of every wake-up, bound once (not looked up by name each time)
         self.get_event: Callable[[], CQ | None] = channel.get_event
         self.req_notify: Callable[[], None] = cq.req_notify
+        # (a manual-progress device's: the work its progress deferred)
+        self.flush: Callable[[], None] | None = (channel.flush if channel.manual_progress
+                                                 else None)
         # its C-level poll (a capsule) and that poll's first argument, where the
         # provider has one
         ops = cq.c_ops()
@@ -242,8 +245,8 @@ class CQReactor:
         self._expedite = False
         self._on_readable(slot)
         if slot.channel.flush_wanted:
-            if self._expedite:
-                slot.channel.flush()
+            if self._expedite and slot.flush is not None:
+                slot.flush()
             elif not slot.flush_scheduled:
                 slot.flush_scheduled = True
                 self._call_soon(self._flush_cb, slot)
@@ -257,8 +260,8 @@ class CQReactor:
 
     def _flush(self, slot: _CQSlot) -> None:
         slot.flush_scheduled = False
-        if not self.closed:
-            slot.channel.flush()
+        if not self.closed and slot.flush is not None:
+            slot.flush()
 
     def _on_readable(self, slot: _CQSlot) -> None:
         """One wake-up: read the event, ack (batched), re-arm, then poll until a poll

@@ -113,6 +113,7 @@ class Endpoint:
         self._send_eager: Callable[[asyncio.Future[None], Any], Op | None] = (
             self._engine.send_eager)
         self._take_data: Callable[[], bytes | None] = self._engine.rx.take_data
+        self._rx: Any = self._engine.rx
         self._rxq: Any = self._engine.rx.rx  # the received messages (a deque, kept)
         self._life = Lifecycle(self, loop, self._engine, res, opts.close_timeout)
         self._one = OneSided(self)
@@ -357,7 +358,7 @@ class Endpoint:
         Raises ConnectionClosed after the peer closed (once everything it sent before
         is delivered) or when the connection failed. Cancellation never loses a message.
         """
-        rx = self._engine.rx
+        rx = self._rx
         rxq = self._rxq
         if not rxq and not rx.receivers and self._reactor.in_place:
             self._rcv.wait_in_place()
