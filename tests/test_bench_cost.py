@@ -42,3 +42,35 @@ def test_rows_show_instructions_and_their_ratio() -> None:
     rows = cost.format_rows([aio, tcp])
     assert any("30,000" in r and "2.50x" in r for r in rows)
     assert any("12,000" in r for r in rows)
+
+
+def test_pyverbs_async_runs_on_verbs_only() -> None:
+    cfg = Config(tests=["cost"], sizes=[64], loop="asyncio", provider="soft")
+    with pytest.raises(ValueError, match="verbs provider"):
+        cost.bench(cfg, ["pyverbs-async"])
+
+
+@pytest.mark.usefixtures("no_valgrind")
+def test_pyverbs_async_client_runs_beside_aiordma(provider_name: str) -> None:
+    """On verbs, ``--baselines pyverbs-async`` adds the bare asyncio program over pyverbs
+    as a third client (the other baselines are not the cost test's)."""
+    if provider_name != "verbs":
+        pytest.skip("pyverbs-async: the verbs provider's baseline")
+    cfg = Config(tests=["cost"], sizes=[64], loop="asyncio", provider="verbs")
+    results = cost.bench(cfg, ["tcp-proto", "pyverbs-async", "ucxx-poll"])
+    assert [r.transport for r in results] == ["aiordma", "tcp-proto", "pyverbs-async"]
+    pva = results[2]
+    assert pva.error is None, pva.error
+    assert pva.extra["python_calls_per_rt"] > 0
+    rows = "\n".join(cost.format_rows(results))
+    assert "pyverbs-async" in rows
+
+
+def test_a_baseline_row_shows_aiordma_against_it() -> None:
+    from aiordma.bench.common import Result
+
+    pva = Result("pyverbs-async", "cost", 64, note="client, polls its CQ from the loop",
+                 extra={"instructions_per_rt": 20000.0, "python_calls_per_rt": 30.0,
+                        "aiordma_instructions_ratio": 1.25})
+    (row,) = [r for r in cost.format_rows([pva]) if "pyverbs-async" in r]
+    assert "20,000" in row and "(aiordma: 1.25x this)" in row

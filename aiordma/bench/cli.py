@@ -338,7 +338,10 @@ def main(argv: list[str] | None = None) -> int:
         from .cost import bench as cost_bench
 
         _log("bench: cost per round trip (callgrind; minutes)")
-        results += cost_bench(cfg)
+        try:
+            results += cost_bench(cfg, baselines)
+        except ValueError as exc:
+            raise SystemExit(f"bench: {exc}") from None
     dask_table = ""
     if "dask" in cfg.tests and not a.no_aiordma:
         from aiordma.dask.bench import format_table as dask_format

@@ -16,6 +16,14 @@ message (``await ep.send(); await ep.recv()`` against a Protocol whose
 each stack does for a message. Python calls per round trip (``sys.setprofile``, a
 separate uncounted run) show how much of it is interpreted.
 
+On the ``verbs`` provider, ``--baselines pyverbs-async`` adds the barest asyncio program
+over pyverbs (``aiordma/bench/pyverbs_async.py``: it awaits its SEND's completion, then
+the echo's receive, polling its CQ from the loop) as a third client against its own
+server, and the ratio aiordma / pyverbs-async: what aiordma's per-message work costs
+above the least an asyncio program over the same verbs does. (Its poller spins while
+it waits; under callgrind the client runs some 50x slower than its server, so the
+spin is short.)
+
 Where valgrind is missing the instruction columns say so; the calls are still counted.
 """
 
@@ -39,6 +47,8 @@ WARMUP = 50
 N1, N2 = 200, 700
 CALLS_N = 1000
 KINDS = ("aiordma", "tcp-proto")
+#: the baselines that ``--tests cost`` can add (``--baselines``): the verbs provider's
+BASELINES = ("pyverbs-async",)
 
 
 # ======================================================================= the workers
@@ -59,6 +69,20 @@ async def _aiordma_server(port_file: str, provider: str | None, poll_mode: str) 
     await asyncio.sleep(3600)
 
 
+async def _pyverbs_async_server(port_file: str, device: str | None) -> None:
+    from .pyverbs_async import AioVerbsServer
+
+    srv = AioVerbsServer(_pyverbs_cfg(device))
+    where = await srv.start()
+    _ready(port_file, json.dumps(where))
+    await srv.begin("send_lat", SIZE, 1, 3600)  # (returns once the client connected)
+    await asyncio.sleep(3600)
+
+
+def _pyverbs_cfg(device: str | None) -> Config:
+    return Config(tests=["send_lat"], sizes=[SIZE], provider="verbs", device=device)
+
+
 async def _tcp_server(port_file: str) -> None:
     loop = asyncio.get_running_loop()
 
@@ -74,10 +98,10 @@ async def _tcp_server(port_file: str) -> None:
     await asyncio.sleep(3600)
 
 
-def _ready(port_file: str, port: int) -> None:
+def _ready(port_file: str, address: int | str) -> None:
     tmp = port_file + ".tmp"
     with open(tmp, "w") as f:
-        f.write(str(port))
+        f.write(str(address))
     os.replace(tmp, port_file)
 
 
@@ -109,6 +133,25 @@ async def _aiordma_client(port: int, n: int, calls: bool, provider: str | None,
         print(json.dumps({"calls_per_rt": count[0] / n}), flush=True)
     ep.abort()
     await ep.wait_closed()
+
+
+async def _pyverbs_async_client(info: str, n: int, calls: bool, device: str | None) -> None:
+    from .pyverbs_async import AioVerbsClient
+
+    client = AioVerbsClient(_pyverbs_cfg(device), json.loads(info))
+    await client.connect()
+    round_trip = client.lat_op("send_lat", SIZE)
+    for _ in range(WARMUP):
+        await round_trip()
+    count = [0]
+    if calls:
+        sys.setprofile(_profile(count))
+    for _ in range(n):
+        await round_trip()
+    sys.setprofile(None)
+    if calls:
+        print(json.dumps({"calls_per_rt": count[0] / n}), flush=True)
+    await client.close()
 
 
 async def _tcp_client(port: int, n: int, calls: bool) -> None:
@@ -152,17 +195,23 @@ async def _tcp_client(port: int, n: int, calls: bool) -> None:
 
 
 def worker(argv: list[str]) -> None:
-    """``python -m aiordma.bench.cost server KIND PORTFILE LOOP [PROVIDER POLL]`` or
-    ``... client KIND PORT N CALLS LOOP [PROVIDER POLL]``."""
+    """``python -m aiordma.bench.cost server KIND PORTFILE LOOP PROVIDER POLL DEVICE`` or
+    ``... client KIND ADDRESS N CALLS LOOP PROVIDER POLL DEVICE`` (ADDRESS: what the
+    server wrote to PORTFILE: its port, or pyverbs-async's connection info as JSON;
+    ``-`` for a provider, poll mode or device not given)."""
     role, kind = argv[0], argv[1]
     if role == "server":
         port_file, loop = argv[2], argv[3]
-        coro: Any = (_aiordma_server(port_file, _none(argv[4]), argv[5]) if kind == "aiordma"
-                     else _tcp_server(port_file))
+        provider, poll, device = _none(argv[4]), argv[5], _none(argv[6])
+        coro: Any = (_aiordma_server(port_file, provider, poll) if kind == "aiordma" else
+                     _pyverbs_async_server(port_file, device) if kind == "pyverbs-async" else
+                     _tcp_server(port_file))
     else:
-        port, n, calls, loop = int(argv[2]), int(argv[3]), argv[4] == "1", argv[5]
-        coro = (_aiordma_client(port, n, calls, _none(argv[6]), argv[7]) if kind == "aiordma"
-                else _tcp_client(port, n, calls))
+        address, n, calls, loop = argv[2], int(argv[3]), argv[4] == "1", argv[5]
+        provider, poll, device = _none(argv[6]), argv[7], _none(argv[8])
+        coro = (_aiordma_client(int(address), n, calls, provider, poll) if kind == "aiordma"
+                else _pyverbs_async_client(address, n, calls, device)
+                if kind == "pyverbs-async" else _tcp_client(int(address), n, calls))
     if loop == "uvloop":
         import uvloop
 
@@ -176,10 +225,10 @@ def _none(s: str) -> str | None:
 
 
 # ======================================================================= the harness
-def _server(kind: str, cfg: Config, poll_mode: str) -> tuple[subprocess.Popen[bytes], int]:
+def _server(kind: str, cfg: Config, poll_mode: str) -> tuple[subprocess.Popen[bytes], str]:
     port_file = os.path.join(tempfile.mkdtemp(prefix="aiordma-cost-"), "port")
     args = [sys.executable, "-m", "aiordma.bench.cost", "server", kind, port_file, cfg.loop,
-            cfg.provider or "-", poll_mode]
+            cfg.provider or "-", poll_mode, cfg.device or "-"]
     proc = subprocess.Popen(args, env=_env())
     deadline = time.monotonic() + 60
     while not os.path.exists(port_file):
@@ -188,7 +237,7 @@ def _server(kind: str, cfg: Config, poll_mode: str) -> tuple[subprocess.Popen[by
             raise RuntimeError(f"the {kind} server did not start")
         time.sleep(0.05)
     with open(port_file) as f:
-        return proc, int(f.read())
+        return proc, f.read()
 
 
 def _env() -> dict[str, str]:
@@ -201,10 +250,10 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _client_args(kind: str, port: int, n: int, calls: bool, cfg: Config,
+def _client_args(kind: str, address: str, n: int, calls: bool, cfg: Config,
                  poll_mode: str) -> list[str]:
-    return [sys.executable, "-m", "aiordma.bench.cost", "client", kind, str(port), str(n),
-            "1" if calls else "0", cfg.loop, cfg.provider or "-", poll_mode]
+    return [sys.executable, "-m", "aiordma.bench.cost", "client", kind, address, str(n),
+            "1" if calls else "0", cfg.loop, cfg.provider or "-", poll_mode, cfg.device or "-"]
 
 
 def _instructions(args: list[str], timeout: float) -> int:
@@ -225,10 +274,13 @@ def _instructions(args: list[str], timeout: float) -> int:
 
 
 def measure(kind: str, cfg: Config) -> Result:
-    """The cost of one round trip of ``kind`` (``aiordma`` or ``tcp-proto``)."""
+    """The cost of one round trip of ``kind`` (``aiordma``, ``tcp-proto`` or
+    ``pyverbs-async``)."""
     poll_mode = cfg.poll_mode or "blocking"
     res = Result(transport=kind, test="cost", size=SIZE, loop=cfg.loop,
-                 note=f"client, {poll_mode}" if kind == "aiordma" else "client")
+                 note=(f"client, {poll_mode}" if kind == "aiordma" else
+                       "client, polls its CQ from the loop" if kind == "pyverbs-async" else
+                       "client"))
     try:
         proc, port = _server(kind, cfg, poll_mode)
     except RuntimeError as exc:
@@ -258,15 +310,27 @@ def measure(kind: str, cfg: Config) -> Result:
     return res
 
 
-def bench(cfg: Config) -> list[Result]:
-    """Both kinds, then the ratios aiordma / tcp-proto in aiordma's ``extra``
-    (``instructions_ratio``, ``python_calls_ratio``)."""
-    results = [measure(kind, cfg) for kind in KINDS]
-    aio, tcp = results
+def bench(cfg: Config, baselines: list[str] | tuple[str, ...] = ()) -> list[Result]:
+    """Both kinds and those of ``baselines`` that are ``BASELINES`` (the others are not
+    this test's), then the ratios aiordma / tcp-proto in aiordma's ``extra``
+    (``instructions_ratio``, ``python_calls_ratio``) and aiordma / each baseline in
+    that baseline's (``aiordma_instructions_ratio``). Raises ValueError for
+    pyverbs-async on a provider other than verbs."""
+    extra = [b for b in baselines if b in BASELINES]
+    if extra and cfg.provider != "verbs":
+        raise ValueError(f"--tests cost: {', '.join(extra)} runs on the verbs provider "
+                         f"(--provider verbs), not {cfg.provider or 'the default'}")
+    results = [measure(kind, cfg) for kind in (*KINDS, *extra)]
+    aio, tcp = results[:2]
     for key in ("instructions", "python_calls"):
         a, b = aio.extra.get(f"{key}_per_rt"), tcp.extra.get(f"{key}_per_rt")
         if a is not None and b:
             aio.extra[f"{key}_ratio"] = a / b
+    a = aio.extra.get("instructions_per_rt")
+    for r in results[2:]:
+        b = r.extra.get("instructions_per_rt")
+        if a is not None and b:
+            r.extra["aiordma_instructions_ratio"] = a / b
     return results
 
 
@@ -285,6 +349,8 @@ def format_rows(results: list[Result]) -> list[str]:
                    f"{r.transport:10s} {r.extra.get('instructions_note', '-'):>12s} ")
         out[-1] += (f"{ratio:>6.2f}x " if ratio else f"{'':>7s} ")
         out[-1] += f"{r.extra.get('python_calls_per_rt', 0):>7.1f}  {r.note}"
+        if "aiordma_instructions_ratio" in r.extra:
+            out[-1] += f" (aiordma: {r.extra['aiordma_instructions_ratio']:.2f}x this)"
     return out
 
 
