@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final
 
 from .errors import ConnectionClosed
 from .memory import LocalSpan, RemoteBuffer
-from .protocol.engine import ATOMIC, IMM, READ, WRITE, Op
+from .protocol.engine import ATOMIC, IMM, READ, WRITE, Op, rdma_op
 from .protocol.state import Remote
 from .verbs import SendWR, WROpcode
 
@@ -24,6 +25,15 @@ if TYPE_CHECKING:
     from .endpoint import Endpoint
 
 _MASK64: Final = (1 << 64) - 1
+# the opcodes, read once (a member read from its enum class goes through the enum's
+# metaclass: hundreds of instructions per operation)
+_RDMA_WRITE: Final = WROpcode.RDMA_WRITE
+_RDMA_READ: Final = WROpcode.RDMA_READ
+_RDMA_WRITE_WITH_IMM: Final = WROpcode.RDMA_WRITE_WITH_IMM
+_ATOMIC_FETCH_AND_ADD: Final = WROpcode.ATOMIC_FETCH_AND_ADD
+_ATOMIC_CMP_AND_SWP: Final = WROpcode.ATOMIC_CMP_AND_SWP
+_WR_WRITE: Final = int(WROpcode.RDMA_WRITE)  # (rdma_op's opcodes: plain ints)
+_WR_READ: Final = int(WROpcode.RDMA_READ)
 
 
 class OneSided:
@@ -39,6 +49,10 @@ class OneSided:
         self._loop = ep._loop
         self._reactor = ep._reactor
         self._life = ep._life
+        # the per-operation calls, bound once (not looked up by name each time)
+        self._create_future: Callable[[], asyncio.Future[Any]] = ep._loop.create_future
+        self._kick: Callable[[], None] = ep._engine.tx.kick
+        self._oneq: deque[Op] = ep._engine.tx.oneq  # (the engine's, never replaced)
 
     async def write(self, local: Any, remote: RemoteBuffer) -> None:
         """RDMA WRITE all of ``local`` (a MemoryRegion or a buffer inside one registered
@@ -48,9 +62,13 @@ class OneSided:
         RemoteAccessError (peer refused: bad rkey, range, or right), ConnectionClosed.
         """
         span = self._one_sided_span(local, remote, writable=False)
-        wrs = self._res.wr_chunks(WROpcode.RDMA_WRITE, span, span.length, remote.addr,
-                                  remote.rkey)
-        await self._submit_chunks(self._engine.tx.oneq, WRITE, wrs, span)
+        if span.length <= self._res.max_wr:  # one work request, built in the engine
+            await self._submit(self._oneq, rdma_op(
+                WRITE, self._create_future(), _WR_WRITE, span.addr, span.length, span.lkey,
+                remote.addr, remote.rkey, 0, span))
+            return
+        wrs = self._res.wr_chunks(_RDMA_WRITE, span, span.length, remote.addr, remote.rkey)
+        await self._submit_chunks(self._oneq, WRITE, wrs, span)
 
     async def read(self, local: Any, remote: RemoteBuffer) -> None:
         """RDMA READ ``len(local)`` bytes from the start of ``remote`` into ``local``.
@@ -58,9 +76,13 @@ class OneSided:
         Raises as ``write``; ``local`` must be writable.
         """
         span = self._one_sided_span(local, remote, writable=True)
-        wrs = self._res.wr_chunks(WROpcode.RDMA_READ, span, span.length, remote.addr,
-                                  remote.rkey)
-        await self._submit_chunks(self._engine.tx.oneq, READ, wrs, span)
+        if span.length <= self._res.max_wr:  # one work request, built in the engine
+            await self._submit(self._oneq, rdma_op(
+                READ, self._create_future(), _WR_READ, span.addr, span.length, span.lkey,
+                remote.addr, remote.rkey, 0, span))
+            return
+        wrs = self._res.wr_chunks(_RDMA_READ, span, span.length, remote.addr, remote.rkey)
+        await self._submit_chunks(self._oneq, READ, wrs, span)
 
     async def write_with_imm(self, local: Any, remote: RemoteBuffer, imm: int) -> None:
         """RDMA WRITE with a 32-bit immediate; the peer gets ``imm`` from ``recv_imm()``
@@ -69,10 +91,9 @@ class OneSided:
             raise ValueError("imm must be an unsigned 32-bit integer")
         span = self._one_sided_span(local, remote, writable=False)
         self._ep._check_send()
-        wrs = self._res.wr_chunks(WROpcode.RDMA_WRITE, span, span.length, remote.addr,
-                                  remote.rkey)
+        wrs = self._res.wr_chunks(_RDMA_WRITE, span, span.length, remote.addr, remote.rkey)
         last = wrs[-1]  # the immediate rides on the last piece, after the data is in place
-        last.opcode = WROpcode.RDMA_WRITE_WITH_IMM
+        last.opcode = _RDMA_WRITE_WITH_IMM
         last.imm_data = imm
         # All pieces on the send queue, so no other work can pass between them.
         await self._submit_chunks(self._engine.tx.sendq, WRITE, wrs, span, last_kind=IMM)
@@ -95,7 +116,7 @@ class OneSided:
         """Atomically add ``value`` (mod 2**64) to the 8-byte word at ``remote``;
         returns the old value. ``remote.addr`` must be 8-byte aligned (ValueError)."""
         self._check_atomic(remote)
-        wr = SendWR(0, WROpcode.ATOMIC_FETCH_AND_ADD, [], remote_addr=remote.addr,
+        wr = SendWR(0, _ATOMIC_FETCH_AND_ADD, [], remote_addr=remote.addr,
                     rkey=remote.rkey, compare_add=value & _MASK64)
         op = Op(ATOMIC, self._loop.create_future(), wr=wr)
         result: int = await self._submit(self._engine.tx.oneq, op)
@@ -105,7 +126,7 @@ class OneSided:
         """Atomically replace the 8-byte word at ``remote`` with ``new`` if it equals
         ``expected``; returns the old value (the swap happened iff it == expected)."""
         self._check_atomic(remote)
-        wr = SendWR(0, WROpcode.ATOMIC_CMP_AND_SWP, [], remote_addr=remote.addr,
+        wr = SendWR(0, _ATOMIC_CMP_AND_SWP, [], remote_addr=remote.addr,
                     rkey=remote.rkey, compare_add=expected & _MASK64, swap=new & _MASK64)
         op = Op(ATOMIC, self._loop.create_future(), wr=wr)
         result: int = await self._submit(self._engine.tx.oneq, op)
@@ -137,8 +158,7 @@ class OneSided:
         to completion on the device and its buffers stay pinned until then.
         """
         q.append(op)
-        tx = self._engine.tx
-        tx.kick()
+        self._kick()
         fut: asyncio.Future[Any] = op.fut  # type: ignore[assignment]
         try:
             if self._reactor.waits:
@@ -146,7 +166,7 @@ class OneSided:
             return await fut
         except asyncio.CancelledError:
             if not op.posted:
-                tx.unqueue(q, op)
+                self._engine.tx.unqueue(q, op)
             raise
 
     async def _submit_chunks(self, q: deque[Op], kind: int, wrs: list[SendWR],
@@ -158,8 +178,7 @@ class OneSided:
         Cancelled before any piece was posted: none is sent; after: all run."""
         final_kind = kind if last_kind is None else last_kind
         if len(wrs) == 1:
-            await self._submit(q, Op(final_kind, self._loop.create_future(), wr=wrs[0],
-                                     keep=span))
+            await self._submit(q, Op(final_kind, self._create_future(), wr=wrs[0], keep=span))
             return
         ops = [Op(kind, None, wr=wr, keep=span) for wr in wrs[:-1]]
         q.extend(ops)

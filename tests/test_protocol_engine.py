@@ -261,3 +261,30 @@ def test_a_registered_waiter_type_is_resolved_through_its_class_and_others_by_na
         assert register_waiter_type(Waiter) is Waiter  # the failed one changed nothing
     finally:
         register_waiter_type(before)
+
+
+def test_an_rdma_op_is_posted_as_its_work_request_and_completes() -> None:
+    """``rdma_op``: one-sided work held as C fields goes out (on the port path) as the
+    ``SendWR`` those fields describe, and its waiter completes with its completion."""
+    from aiordma.protocol.engine import READ, WRITE, rdma_op
+
+    e, _spool, _rpool, port = connected()
+    port.sends.clear()
+    w_write, w_read = Waiter(), Waiter()
+    e.tx.oneq.append(rdma_op(WRITE, w_write, int(WROpcode.RDMA_WRITE_WITH_IMM), 0x1000, 64,
+                             7, 0xFFFF_0000_0000_2000, 9, imm=0xDEADBEEF))
+    e.tx.oneq.append(rdma_op(READ, w_read, int(WROpcode.RDMA_READ), 0x3000, 4096, 7,
+                             0x4000, 11))
+    e.tx.kick()
+    (chain,) = port.sends
+    write, read = chain
+    assert (write.opcode, write.imm_data, write.remote_addr, write.rkey) == (
+        WROpcode.RDMA_WRITE_WITH_IMM, 0xDEADBEEF, 0xFFFF_0000_0000_2000, 9)
+    assert [(s.addr, s.length, s.lkey) for s in write.sg_list] == [(0x1000, 64, 7)]
+    assert (read.opcode, read.remote_addr, read.rkey, read.sg_list[0].length) == (
+        WROpcode.RDMA_READ, 0x4000, 11, 4096)
+    assert read.send_flags & 2  # the last of the batch is signaled
+    e.on_send_completion(WC(read.wr_id, WCStatus.SUCCESS, WCOpcode.RDMA_READ))
+    assert w_write.resolved and w_read.resolved and w_read.exc is None
+    with pytest.raises(OverflowError):
+        rdma_op(WRITE, Waiter(), int(WROpcode.RDMA_WRITE), -1, 64, 7, 0, 9)

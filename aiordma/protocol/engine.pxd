@@ -54,6 +54,11 @@ cdef class Op:
     cdef public object msg_id
     cdef public bint posted
     cdef public int nbytes       # a frame's length (the C path builds no SendWR for it)
+    # a one-sided work request of one SGE as C fields (``rdma_op``; c_wr False: ``wr``)
+    cdef bint c_wr
+    cdef int c_opcode
+    cdef uint32_t c_length, c_lkey, c_rkey, c_imm
+    cdef uint64_t c_laddr, c_raddr
 
 
 cdef class Rx:

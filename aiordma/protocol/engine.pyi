@@ -136,6 +136,9 @@ class Op:
     def __init__(self, kind: int, fut: Waiter | None, payload: Any = None, *,
                  wr: SendWR | None = None, keep: Any = None, msg_id: int = 0) -> None: ...
 
+def rdma_op(kind: int, fut: Waiter | None, opcode: int, laddr: int, length: int, lkey: int,
+            raddr: int, rkey: int, imm: int = 0, keep: Any = None) -> Op: ...
+
 class Rx:
     kind: int
     slot: int

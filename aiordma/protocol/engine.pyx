@@ -55,8 +55,8 @@ from aiordma.errors import (
     RNRRetryExceededError,
     completion_error,
 )
-from aiordma.verbs.enums import WCOpcode, WCStatus
-from aiordma.verbs.wr import WC
+from aiordma.verbs.enums import WCOpcode, WCStatus, WROpcode
+from aiordma.verbs.wr import SGE, WC, SendWR
 
 from .errors import LocalProtocolError, RemoteProtocolError
 from .state import ConnectionState, Event, Local, Remote

@@ -16,28 +16,37 @@ WR_ENGINE = 1 << 63
 """Set in every wr_id the engine makes itself (its C path)."""
 
 
+cdef inline uint64_t u64_of(object v) except? 0xFFFFFFFFFFFFFFFF:
+    """``v mod 2**64`` of a Python int: a C conversion, Python arithmetic only for a
+    value outside 0..2**64-1."""
+    try:
+        return <uint64_t>v
+    except OverflowError:
+        return <uint64_t>(v & 0xFFFFFFFFFFFFFFFF)
+
+
 cdef int c_send_wr_of(wr, c_send_wr_t *w) except? -1:
     """``w`` = the provider-neutral ``SendWR`` ``wr`` (one SGE at most: the engine's
     one-sided work); returns its send flags."""
     sg = wr.sg_list
     if len(sg) > 1:
         raise LocalProtocolError("the C path posts work requests of one SGE")
-    w.opcode = int(wr.opcode)
+    w.opcode = <int>wr.opcode  # (an IntEnum: its int value)
     if sg:
         s = sg[0]
-        w.addr = s.addr
-        w.length = s.length
-        w.lkey = s.lkey
+        w.addr = u64_of(s.addr)
+        w.length = <uint32_t>u64_of(s.length)
+        w.lkey = <uint32_t>u64_of(s.lkey)
     else:
         w.addr = 0
         w.length = 0
         w.lkey = 0
-    w.imm_data = wr.imm_data & 0xFFFFFFFF
-    w.rkey = wr.rkey & 0xFFFFFFFF
-    w.remote_addr = wr.remote_addr & 0xFFFFFFFFFFFFFFFF
-    w.compare_add = wr.compare_add & 0xFFFFFFFFFFFFFFFF
-    w.swap = wr.swap & 0xFFFFFFFFFFFFFFFF
-    return int(wr.send_flags)
+    w.imm_data = <uint32_t>u64_of(wr.imm_data)
+    w.rkey = <uint32_t>u64_of(wr.rkey)
+    w.remote_addr = u64_of(wr.remote_addr)
+    w.compare_add = u64_of(wr.compare_add)
+    w.swap = u64_of(wr.swap)
+    return <int>wr.send_flags
 
 
 _STATUSES = tuple(WCStatus(i) for i in range(len(WCStatus)))

@@ -73,6 +73,35 @@ cdef class Op:
         return f"<Op kind={self.kind} slot={self.slot} posted={self.posted}>"
 
 
+def rdma_op(int kind, fut, int opcode, uint64_t laddr, uint32_t length, uint32_t lkey,
+            uint64_t raddr, uint32_t rkey, uint32_t imm=0, keep=None):
+    """An op of one one-sided work request with one SGE (``opcode``: a ``WROpcode``
+    value; ``laddr``/``length``/``lkey`` the local memory, ``raddr``/``rkey`` the
+    peer's, ``imm`` a WRITE_WITH_IMM's immediate) held as C fields: the C path posts
+    it without a ``SendWR`` (the port path makes one when it posts). Raises
+    OverflowError for a field out of its C range."""
+    cdef Op op = Op.__new__(Op)
+    op.kind = kind
+    op.fut = fut
+    op.keep = keep
+    op.msg_id = 0
+    op.c_wr = True
+    op.c_opcode = opcode
+    op.c_laddr = laddr
+    op.c_length = length
+    op.c_lkey = lkey
+    op.c_raddr = raddr
+    op.c_rkey = rkey
+    op.c_imm = imm
+    return op
+
+
+cdef object send_wr_of_op(Op op):
+    """The ``SendWR`` of an ``rdma_op`` (the port path posts objects)."""
+    return SendWR(0, WROpcode(op.c_opcode), [SGE(op.c_laddr, op.c_length, op.c_lkey)],
+                  imm_data=op.c_imm, remote_addr=op.c_raddr, rkey=op.c_rkey)
+
+
 @cython.freelist(64)
 cdef class Rx:
     """A received message waiting for the application (the receive queue's head).

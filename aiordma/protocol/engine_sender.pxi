@@ -272,6 +272,8 @@ cdef class Sender:
         wrs = []
         for i in range(len(batch)):
             op = batch[i]
+            if op.wr is None and op.c_wr:
+                op.wr = send_wr_of_op(op)
             wr = op.wr
             wr_id = port.new_send_id()
             wr.wr_id = wr_id
@@ -324,7 +326,17 @@ cdef class Sender:
             w = &self._cwrs[i]
             self._wr_seq += 1
             w.wr_id = WR_ENGINE_C | self._wr_seq
-            if op.wr is None:  # a frame in its send slot
+            if op.c_wr:  # one-sided work as C fields (rdma_op)
+                w.opcode = op.c_opcode
+                w.addr = op.c_laddr
+                w.length = op.c_length
+                w.lkey = op.c_lkey
+                w.imm_data = op.c_imm
+                w.rkey = op.c_rkey
+                w.remote_addr = op.c_raddr
+                w.compare_add = w.swap = 0
+                flags = 0
+            elif op.wr is None:  # a frame in its send slot
                 w.opcode = 2  # IBV_WR_SEND
                 w.addr = spool.base_addr + <uint64_t>(<int>op.slot) * spool.slot_size
                 w.length = op.nbytes
