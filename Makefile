@@ -164,7 +164,7 @@ RXE_TESTS ?= tests/test_verbs_provider.py tests/test_ibverbs_compat.py tests/tes
 	tests/test_native.py
 RXE_TESTS_ONE_LOOP ?= tests/test_rdma_transport.py tests/test_streams.py \
 	tests/test_examples_protocols.py tests/test_device_threads.py tests/test_cli.py \
-	tests/test_docs.py tests/test_dask_comms.py tests/test_dask_cluster.py
+	tests/test_docs.py tests/test_dask_comms.py tests/test_dask_cluster.py tests/test_bench_cost.py
 RXE_PYTEST = python3 -m pytest -p no:cacheprovider -q -rfEs --durations=10
 RXE_BOTH = -k "not tcp"
 # (pytest-asyncio marks every async test "asyncio": those run on uvloop only, the rest

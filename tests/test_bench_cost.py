@@ -50,20 +50,37 @@ def test_pyverbs_async_runs_on_verbs_only() -> None:
         cost.bench(cfg, ["pyverbs-async"])
 
 
-@pytest.mark.usefixtures("no_valgrind")
-def test_pyverbs_async_client_runs_beside_aiordma(provider_name: str) -> None:
+def test_pyverbs_async_client_runs_beside_aiordma(provider_name: str,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """On verbs, ``--baselines pyverbs-async`` adds the bare asyncio program over pyverbs
-    as a third client (the other baselines are not the cost test's)."""
+    as a third client (the other baselines are not the cost test's); its server connects
+    one QP, so each of its three client runs gets a server of its own. (callgrind is
+    stood in for: each counted run runs its client plainly, "counting" 1000 per round
+    trip.)"""
     if provider_name != "verbs":
         pytest.skip("pyverbs-async: the verbs provider's baseline")
+    import subprocess
+
+    def run_plainly(args: list[str], timeout: float) -> int:
+        subprocess.run(args, check=True, timeout=timeout, env=cost._env(),
+                       capture_output=True)
+        return int(args[6]) * 1000  # (the client's round trips)
+
+    monkeypatch.setattr(cost, "CALLS_N", 100)
+    monkeypatch.setattr(cost, "N1", 20)
+    monkeypatch.setattr(cost, "N2", 60)
+    monkeypatch.setattr(cost, "_instructions", run_plainly)
+    monkeypatch.setattr(cost.shutil, "which", lambda name: "/bin/true")
     cfg = Config(tests=["cost"], sizes=[64], loop="asyncio", provider="verbs")
     results = cost.bench(cfg, ["tcp-proto", "pyverbs-async", "ucxx-poll"])
     assert [r.transport for r in results] == ["aiordma", "tcp-proto", "pyverbs-async"]
-    pva = results[2]
-    assert pva.error is None, pva.error
-    assert pva.extra["python_calls_per_rt"] > 0
+    for r in results:
+        assert r.error is None, r.error
+        assert r.extra["python_calls_per_rt"] > 0
+        assert r.extra["instructions_per_rt"] == 1000
+    assert results[2].extra["aiordma_instructions_ratio"] == 1.0
     rows = "\n".join(cost.format_rows(results))
-    assert "pyverbs-async" in rows
+    assert "pyverbs-async" in rows and "(aiordma: 1.00x this)" in rows
 
 
 def test_a_baseline_row_shows_aiordma_against_it() -> None:

@@ -281,13 +281,20 @@ def measure(kind: str, cfg: Config) -> Result:
                  note=(f"client, {poll_mode}" if kind == "aiordma" else
                        "client, polls its CQ from the loop" if kind == "pyverbs-async" else
                        "client"))
+    # pyverbs-async's server connects one QP, once: a server per client run
+    one_client = kind == "pyverbs-async"
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def address() -> str:
+        if procs and not one_client:
+            return addr
+        proc, where = _server(kind, cfg, poll_mode)
+        procs.append(proc)
+        return where
+
     try:
-        proc, port = _server(kind, cfg, poll_mode)
-    except RuntimeError as exc:
-        res.error = str(exc)
-        return res
-    try:
-        r = subprocess.run(_client_args(kind, port, CALLS_N, True, cfg, poll_mode),
+        addr = address()
+        r = subprocess.run(_client_args(kind, addr, CALLS_N, True, cfg, poll_mode),
                            capture_output=True, text=True, timeout=300, env=_env())
         if r.returncode:
             res.error = f"client failed: {r.stderr[-300:]}"
@@ -298,15 +305,16 @@ def measure(kind: str, cfg: Config) -> Result:
             res.extra["instructions_note"] = "valgrind not installed"
             return res
         t = max(600.0, cfg.max_seconds * 100)
-        totals = [_instructions(_client_args(kind, port, n, False, cfg, poll_mode), t)
+        totals = [_instructions(_client_args(kind, address(), n, False, cfg, poll_mode), t)
                   for n in (N1, N2)]
         res.extra["instructions_per_rt"] = (totals[1] - totals[0]) / (N2 - N1)
         res.ops = N2 - N1
     except (RuntimeError, subprocess.TimeoutExpired, ValueError) as exc:
         res.error = str(exc)
     finally:
-        proc.kill()
-        proc.wait(10)
+        for proc in procs:
+            proc.kill()
+            proc.wait(10)
     return res
 
 
