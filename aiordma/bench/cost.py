@@ -346,15 +346,15 @@ def format_rows(results: list[Result]) -> list[str]:
     """The table section of ``--tests cost``."""
     out = ["", "Cost of one 64 B round trip, client side (callgrind: user-space instructions; "
            "interpreted Python calls)",
-           f"{'transport':10s} {'instructions':>12s} {'ratio':>7s} {'calls':>7s}  note"]
+           f"{'transport':13s} {'instructions':>12s} {'ratio':>7s} {'calls':>7s}  note"]
     for r in results:
         if r.error:
-            out.append(f"{r.transport:10s} ERROR {r.error}")
+            out.append(f"{r.transport:13s} ERROR {r.error}")
             continue
         ins = r.extra.get("instructions_per_rt")
         ratio = r.extra.get("instructions_ratio")
-        out.append(f"{r.transport:10s} {ins:>12,.0f} " if ins is not None else
-                   f"{r.transport:10s} {r.extra.get('instructions_note', '-'):>12s} ")
+        out.append(f"{r.transport:13s} {ins:>12,.0f} " if ins is not None else
+                   f"{r.transport:13s} {r.extra.get('instructions_note', '-'):>12s} ")
         out[-1] += (f"{ratio:>6.2f}x " if ratio else f"{'':>7s} ")
         out[-1] += f"{r.extra.get('python_calls_per_rt', 0):>7.1f}  {r.note}"
         if "aiordma_instructions_ratio" in r.extra:
