@@ -472,8 +472,9 @@ class CQReactor:
         quiet_periods (hybrid's and the in-place waits' back-offs), polls, arms (re-arms
         after the first), completions, completions per wake-up, outstanding WRs, CQs,
         mode and spin budget, and polling's in_place_waits, in_place_hits (the future
-        was done when the wait returned) and in_place_missed (waits that ran out their
-        whole budget)."""
+        was done when the wait returned), in_place_missed (waits that ran out their
+        whole budget) and in_place_budget_us (the budget now: it follows the peer's
+        turnaround, poll_schedule.py)."""
         return {
             **self.schedule.statistics(),
             "wakeups": self.wakeups,

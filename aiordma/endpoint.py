@@ -360,18 +360,22 @@ class Endpoint:
         """
         rx = self._rx
         rxq = self._rxq
+        miss = None
         if not rxq and not rx.receivers and self._reactor.in_place:
-            self._rcv.wait_in_place()
+            miss = self._rcv.wait_in_place()
         if rxq and not rx.receivers:
             data = self._take_data()  # already here, nobody queued before us: no lock
             if data is not None:
                 return data
         rx.receivers += 1
         try:
-            return await self._rcv.recv()
+            data = await self._rcv.recv()
         finally:
             rx.receivers -= 1
             rx.receive_done()
+        if miss is not None:
+            self._rcv.resumed(miss)
+        return data
 
     async def recv_into(self, buffer: Any) -> int:
         """Receive the next message into ``buffer``; returns its length.
@@ -391,8 +395,9 @@ class Endpoint:
             out = out.cast("B")
         rx = self._engine.rx
         rxq = rx.rx
+        miss = None
         if not rxq and not rx.receivers and self._reactor.in_place:
-            self._rcv.wait_in_place()
+            miss = self._rcv.wait_in_place()
         if rxq and not rx.receivers and not self._engine.state.failed:
             m = rxq[0]
             if m.kind == RX_DATA and m.length <= out.nbytes:
@@ -403,10 +408,13 @@ class Endpoint:
                 return n
         rx.receivers += 1
         try:
-            return await self._rcv.recv_into(out)
+            n = await self._rcv.recv_into(out)
         finally:
             rx.receivers -= 1
             rx.receive_done()
+        if miss is not None:
+            self._rcv.resumed(miss)
+        return n
 
     # ---------------------------------------------------------------- one-sided
     # (the work: onesided.OneSided)

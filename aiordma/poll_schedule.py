@@ -38,24 +38,37 @@ Poll policy (``AIORDMA_POLL_MODE``, ``AIORDMA_SPIN_US``):
 
   And it **waits in place** (``wait_in_place``, like a socket's ``SO_BUSY_POLL``): an
   endpoint about to suspend a task on an operation's future first polls the CQs itself,
-  in the task, for up to ``spin_us``, dispatching what it finds -- when no other task
-  is suspended on an operation of this reactor (``wait`` counts them): one that is
-  may be ready to run (uvloop does not show its ready queue), or be woken by what the
-  poll finds, and must not wait behind the hold. So a window of concurrent
-  operations, or a peer on the same loop, never waits in place. When its own
+  in the task, for up to its budget (``spin_us``; see below), dispatching what it finds
+  -- when no other task is suspended on an operation of this reactor (``wait`` counts
+  them): one that is may be ready to run (uvloop does not show its ready queue), or be
+  woken by what the poll finds, and must not wait behind the hold. So a window of
+  concurrent operations, or a peer on the same loop, never waits in place. When its own
   completion comes in that time the future is done and the ``await`` does not suspend:
-  no task switch and no loop iteration (its ``epoll_wait``) for that operation. The
-  loop is held meanwhile, so the holds are bounded: **in-place waits stop polling once
-  they have held the loop for** ``spin_us`` **in all since its last iteration** (a
-  marker callback scheduled with the first hold notes each iteration; the handlers a
-  poll dispatched finish first); past that, tasks suspend as usual until the loop has
-  turned. A wait that runs out its whole budget is a miss, counted as in
-  ``hybrid``: ``MISS_LIMIT`` in a row make the waits quiet for a back-off (the peer
-  answers slower than the budget, or it shares this process's loop and cannot answer
-  while the loop is held). A CQ with manual progress (``soft``) has its bytes moved
-  first, as the poll loop does. Never from inside a dispatch (an eager task started
-  by a completion handler): that would reorder completions. ``statistics()`` counts
-  ``in_place_waits``, ``in_place_hits`` and ``in_place_missed``.
+  no task switch and no loop iteration (its ``epoll_wait``) for that operation. The loop
+  is held meanwhile, so the holds are bounded: **in-place waits stop polling once they
+  have held the loop for their budget in all since its last iteration** (a marker
+  callback scheduled with the first hold notes each iteration; the handlers a poll
+  dispatched finish first); past that, tasks suspend as usual until the loop has turned.
+  A wait that runs out its whole budget is a miss, counted as in ``hybrid``:
+  ``MISS_LIMIT`` in a row make the waits quiet for a back-off (the peer answers slower
+  than the budget, or it shares this process's loop and cannot answer while the loop is
+  held). A CQ with manual progress (``soft``) has its bytes moved first, as the poll
+  loop does. Never from inside a dispatch (an eager task started by a completion
+  handler): that would reorder completions. ``statistics()`` counts ``in_place_waits``,
+  ``in_place_hits`` and ``in_place_missed``.
+
+  The in-place budget **follows the peer's turnaround**: it is 1.5x a decaying maximum
+  of how long recent waits took -- a hit's time, or, for a wait that spent the budget
+  (its own or the loop's hold), the time until its task resumed with the result (see
+  below) -- at least ``spin_us`` and at most ``IN_PLACE_GROWTH`` times it (3 ms by
+  default). Where answers come back within ``spin_us`` (a NIC, free cores) nothing
+  changes; where a round trip takes longer (emulated or oversubscribed hosts: Soft-RoCE
+  under qemu answers in 0.3-1 ms) the waits still catch their completions instead of
+  running out and paying a loop iteration each. Such a wait counts only when its result
+  came at least half the time it polled after it suspended: a peer on the same loop
+  answers soon after the loop is let go, and a longer budget would not have caught that
+  answer. The budget also bounds the hold of the loop per iteration. ``statistics()``
+  reports it as ``in_place_budget_us``.
 """
 
 from __future__ import annotations
@@ -74,6 +87,10 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 MODES: Final = ("blocking", "hybrid", "polling")
+#: the in-place budget of ``polling`` grows with the turnaround up to this many
+#: times ``spin_us`` (module docstring)
+IN_PLACE_GROWTH: Final = 10
+_TURNAROUND_DECAY: Final = 0.125  # a shorter turnaround pulls the estimate down by 1/8
 DEFAULT_MODE: Final = "hybrid"
 DEFAULT_SPIN_US: Final = 300
 
@@ -119,6 +136,10 @@ class PollSchedule:
         self.in_place = False  # polling mode, a spin budget and a CQ to poll in place
         self.suspended = 0  # tasks suspended in ``wait`` (they may be ready to run)
         self._held_since = -1.0  # in-place waits hold the loop since (-1: it has turned)
+        self._budget = spin_us * 1e-6  # the in-place budget (s): follows the turnaround
+        self._turnaround = 0.0  # decaying maximum of recent waits' durations (s)
+        # (began, ended) of the in-place wait that just ran out its budget (take_miss)
+        self._miss: tuple[float, float] | None = None
         # the callbacks of every tick, bound once (not a bound method made per tick)
         self._call_soon: Callable[..., Any] = self.loop.call_soon
         self._spin_tick_cb: Callable[[], None] = self._spin_tick
@@ -166,12 +187,16 @@ class PollSchedule:
         suspended. Returns or raises what ``await fut`` does; cancellation too."""
         if spin and self.wait_in_place(fut):
             return fut.result()
+        miss = self.take_miss() if spin else None
         self.suspended += 1
         self._schedule_poll()  # polled while it waits (the poll ticks look at suspended)
         try:
-            return await fut
+            result = await fut
         finally:
             self.suspended -= 1
+        if miss is not None:
+            self.resumed(miss)
+        return result
 
     def wait_in_place(self, fut: asyncio.Future[Any]) -> bool:
         """polling mode: poll the CQs here, dispatching their completions, until ``fut``
@@ -181,8 +206,9 @@ class PollSchedule:
         it, as in every dispatch), and does nothing (returns at once) when the mode does
         not wait in place, another task is suspended in ``wait`` (it may be ready to run,
         or be woken by what this poll finds), the waits are quiet, the loop has been
-        held for ``spin_us`` since its last iteration, or a dispatch is on the stack.
+        held for the budget since its last iteration, or a dispatch is on the stack.
         """
+        self._miss = None
         if fut.done():
             return True
         r = self.r
@@ -191,14 +217,15 @@ class PollSchedule:
         now = time.perf_counter()
         if now < self.spin.quiet_until:
             return False
-        budget = self.spin_us * 1e-6
+        budget = self._budget
         held = self._held_since
         whole = held < 0.0  # the loop has turned: this wait has the whole budget
         if whole:
             self._held_since = held = now
             self._call_soon(self._loop_turned_cb)
         deadline = held + budget
-        if now >= deadline:
+        if now >= deadline:  # the loop was held long enough: the caller may time the wait
+            self._miss = (now, now)
             return False
         self.in_place_waits += 1
         while True:
@@ -206,13 +233,44 @@ class PollSchedule:
             if fut.done():
                 self.in_place_hits += 1
                 self.spin.hit()
+                self._turned_around(time.perf_counter() - now)
                 return True
             if r.closed or time.perf_counter() >= deadline:
                 break
+        ended = time.perf_counter()
         if whole:  # it ran out its whole budget: a miss
             self.in_place_missed += 1
-            self.spin.missed(time.perf_counter())
+            self.spin.missed(ended)
+        self._miss = (now, ended)  # the caller times the rest of it
         return False
+
+    def take_miss(self) -> tuple[float, float] | None:
+        """After ``wait_in_place`` returned False: ``(began, ended)`` when that wait
+        polled in place until the budget was spent (its own, or the loop's hold), for
+        the caller to pass to ``resumed`` once its result has come; else None (it did
+        not poll: quiet, another task suspended, a dispatch on the stack). Clears it
+        (the next ``wait_in_place`` does too)."""
+        miss, self._miss = self._miss, None
+        return miss
+
+    def resumed(self, miss: tuple[float, float]) -> None:
+        """The result of the wait of ``miss`` (``take_miss``) came now: the in-place
+        budget follows that turnaround if the result came at least half the budget it
+        spent after it gave up (module docstring). A result that came sooner may have
+        needed the loop (a peer on it), and a longer budget would not have caught it."""
+        began, ended = miss
+        now = time.perf_counter()
+        if 2.0 * (now - ended) >= ended - began:
+            self._turned_around(now - began)
+
+    def _turned_around(self, took: float) -> None:
+        """A wait took ``took`` seconds in all: the in-place budget follows (module
+        docstring)."""
+        est = self._turnaround
+        est = took if took >= est else est - (est - took) * _TURNAROUND_DECAY
+        self._turnaround = est
+        floor = self.spin_us * 1e-6
+        self._budget = min(max(1.5 * est, floor), IN_PLACE_GROWTH * floor)
 
     def _loop_turned(self) -> None:
         self._held_since = -1.0
@@ -296,4 +354,5 @@ class PollSchedule:
             "in_place_waits": self.in_place_waits,
             "in_place_hits": self.in_place_hits,
             "in_place_missed": self.in_place_missed,
+            "in_place_budget_us": round(self._budget * 1e6),
         }

@@ -31,23 +31,33 @@ class Receiving:
         self._engine = ep._engine
         self._loop = ep._loop
         self._reactor = ep._reactor
+        self._schedule = ep._reactor.schedule
         self._regions = ep._regions
         self._life = ep._life
         self._lock = asyncio.Lock()
 
-    def wait_in_place(self) -> None:
+    def wait_in_place(self) -> tuple[float, float] | None:
         """polling mode, nothing received yet and nobody else receiving: wait in place
         (``PollSchedule.wait_in_place``) for the next frame, so that a message that
         comes in time takes the no-lock path of ``recv``/``recv_into`` instead of the
         waiter machinery. The caller then looks at the receive queue; this never
-        suspends."""
+        suspends. Returns the wait's ``PollSchedule.take_miss()``: not None when it ran
+        out its budget, for the caller to pass to ``resumed`` once a message came."""
         if self._engine.state.failed or self._life.closing is not None:
-            return
+            return None
         fut: asyncio.Future[None] = self._loop.create_future()
         waiters = self._engine.rx.rx_waiters
         waiters.append(fut)
-        if not self._reactor.wait_in_place(fut) and fut in waiters:
+        if self._schedule.wait_in_place(fut):
+            return None
+        if fut in waiters:
             waiters.remove(fut)
+        return self._schedule.take_miss()
+
+    def resumed(self, miss: tuple[float, float]) -> None:
+        """A receive whose in-place wait ran out (``wait_in_place``) got its message
+        (``PollSchedule.resumed``)."""
+        self._schedule.resumed(miss)
 
     async def recv(self) -> bytes:
         """``Endpoint.recv`` once it must wait: in turn, the next message as bytes."""

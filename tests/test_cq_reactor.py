@@ -17,6 +17,7 @@ import pytest
 from aiordma.bench.fakecq import FakeCQ, FakeCtx
 from aiordma.cq_reactor import CQReactor, future_handler, poll_settings
 from aiordma.errors import RemoteAccessError
+from aiordma.poll_schedule import IN_PLACE_GROWTH
 from aiordma.spin_policy import MISS_LIMIT as _MISS_LIMIT
 from aiordma.verbs import WC, WCOpcode, WCStatus
 
@@ -442,7 +443,9 @@ async def test_in_place_waits_hold_the_loop_at_most_the_budget_between_its_turns
     def late(n: int) -> list[WC]:  # the completion comes as the budget runs out
         if cq.poll is late:
             cq.poll = poll  # type: ignore[method-assign]
-            time.sleep(spin_us * 1e-6)
+            # (the hit's time raises the budget, up to IN_PLACE_GROWTH x spin_us: it
+            # comes that late, so the budget it leaves is spent too)
+            time.sleep(IN_PLACE_GROWTH * spin_us * 1e-6)
             cq.add(_wc(hit_id))
         return poll(n)
 
@@ -562,4 +565,80 @@ async def test_no_wait_in_place_while_another_task_is_suspended_on_an_operation(
         await task
     assert r.schedule.suspended == 0 and third.cancelled()
     other.cancel()
+    r.close()
+
+
+def _arrives_after(cq: FakeCQ, wc: WC, delay_s: float) -> float:
+    """Make ``wc`` land on ``cq`` at the first poll ``delay_s`` after now; returns now."""
+    poll = cq.poll
+    t0 = time.perf_counter()
+
+    def late(n: int) -> list[WC]:
+        if time.perf_counter() - t0 >= delay_s:
+            cq.poll = poll  # type: ignore[method-assign]
+            cq.add(wc)
+        return poll(n)
+
+    cq.poll = late  # type: ignore[method-assign]
+    return t0
+
+
+async def test_the_in_place_budget_follows_a_slow_peers_turnaround() -> None:
+    """A wait that ran out its budget and got its result long after it suspended (a
+    peer slower than ``spin_us``) raises the budget to 1.5x that turnaround, at most
+    ``IN_PLACE_GROWTH`` times ``spin_us``: the next wait catches an answer later than
+    ``spin_us`` in place. Waits that hit at once bring it back down to ``spin_us``."""
+    loop = asyncio.get_running_loop()
+    spin_us = 200
+    r = CQReactor(FakeCtx(), loop, mode="polling", spin_us=spin_us)  # type: ignore[arg-type]
+    cq: FakeCQ = r.acquire_cq(8)  # type: ignore[assignment]
+    assert r.statistics()["in_place_budget_us"] == spin_us
+    slow = loop.create_future()
+    slow_id = r.register(future_handler, slow)
+    task = asyncio.create_task(r.wait(slow))
+    await _yield_while(lambda: not r.schedule.suspended, "the slow wait")
+    assert r.statistics()["in_place_missed"] == 1
+    await asyncio.sleep(0.005)  # the answer comes 5 ms later
+    cq.add(_wc(slow_id))
+    assert (await asyncio.wait_for(task, 2)).wr_id == slow_id
+    cap = IN_PLACE_GROWTH * spin_us
+    assert r.statistics()["in_place_budget_us"] == cap  # 1.5 x 5 ms, capped
+    # the next answer, 4x spin_us after the wait began, is caught in place
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    later = loop.create_future()
+    _arrives_after(cq, _wc(r.register(future_handler, later)), 4 * spin_us * 1e-6)
+    assert r.wait_in_place(later) is True
+    assert r.statistics()["in_place_missed"] == 1
+    # answers already there: the budget decays back to spin_us (bounded)
+    for _ in range(400):
+        if r.statistics()["in_place_budget_us"] == spin_us:
+            break
+        await asyncio.sleep(0)  # a loop turn: a fresh hold
+        await asyncio.sleep(0)
+        quick = loop.create_future()
+        cq.add(_wc(r.register(future_handler, quick)))
+        assert r.wait_in_place(quick) is True
+    assert r.statistics()["in_place_budget_us"] == spin_us
+    await _poll_loop_ends(r)
+    r.close()
+
+
+async def test_the_in_place_budget_stays_when_the_answer_needs_the_loop() -> None:
+    """A peer on the same loop answers as soon as the loop turns, however long the wait
+    held it: such a miss (its answer came soon after it suspended) leaves the budget
+    alone, so it does not grow the time every later miss wastes."""
+    loop = asyncio.get_running_loop()
+    spin_us = 5000
+    r = CQReactor(FakeCtx(), loop, mode="polling", spin_us=spin_us)  # type: ignore[arg-type]
+    cq: FakeCQ = r.acquire_cq(8)  # type: ignore[assignment]
+    fut = loop.create_future()
+    fut_id = r.register(future_handler, fut)
+    task = asyncio.create_task(r.wait(fut))
+    await _yield_while(lambda: not r.schedule.suspended, "the wait")
+    cq.add(_wc(fut_id))  # the peer's answer, on the loop's first turn
+    assert (await asyncio.wait_for(task, 2)).wr_id == fut_id
+    st = r.statistics()
+    assert st["in_place_missed"] == 1 and st["in_place_budget_us"] == spin_us
+    await _poll_loop_ends(r)
     r.close()
