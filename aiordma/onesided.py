@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from .errors import ConnectionClosed
 from .memory import LocalSpan, RemoteBuffer
-from .protocol.engine import ATOMIC, IMM, READ, WRITE, Op, rdma_op
+from .protocol.engine import IMM, READ, WRITE, Op, atomic_op, rdma_op
 from .protocol.state import Remote
 from .verbs import SendWR, WROpcode
 
@@ -30,10 +30,12 @@ _MASK64: Final = (1 << 64) - 1
 _RDMA_WRITE: Final = WROpcode.RDMA_WRITE
 _RDMA_READ: Final = WROpcode.RDMA_READ
 _RDMA_WRITE_WITH_IMM: Final = WROpcode.RDMA_WRITE_WITH_IMM
-_ATOMIC_FETCH_AND_ADD: Final = WROpcode.ATOMIC_FETCH_AND_ADD
-_ATOMIC_CMP_AND_SWP: Final = WROpcode.ATOMIC_CMP_AND_SWP
-_WR_WRITE: Final = int(WROpcode.RDMA_WRITE)  # (rdma_op's opcodes: plain ints)
+# (rdma_op's and atomic_op's opcodes: plain ints)
+_WR_WRITE: Final = int(WROpcode.RDMA_WRITE)
 _WR_READ: Final = int(WROpcode.RDMA_READ)
+_WR_WRITE_WITH_IMM: Final = int(WROpcode.RDMA_WRITE_WITH_IMM)
+_WR_FETCH_AND_ADD: Final = int(WROpcode.ATOMIC_FETCH_AND_ADD)
+_WR_CMP_AND_SWP: Final = int(WROpcode.ATOMIC_CMP_AND_SWP)
 
 
 class OneSided:
@@ -91,6 +93,11 @@ class OneSided:
             raise ValueError("imm must be an unsigned 32-bit integer")
         span = self._one_sided_span(local, remote, writable=False)
         self._ep._check_send()
+        if span.length <= self._res.max_wr:  # one work request, built in the engine
+            await self._submit(self._engine.tx.sendq, rdma_op(
+                IMM, self._create_future(), _WR_WRITE_WITH_IMM, span.addr, span.length,
+                span.lkey, remote.addr, remote.rkey, imm, span))
+            return
         wrs = self._res.wr_chunks(_RDMA_WRITE, span, span.length, remote.addr, remote.rkey)
         last = wrs[-1]  # the immediate rides on the last piece, after the data is in place
         last.opcode = _RDMA_WRITE_WITH_IMM
@@ -116,20 +123,18 @@ class OneSided:
         """Atomically add ``value`` (mod 2**64) to the 8-byte word at ``remote``;
         returns the old value. ``remote.addr`` must be 8-byte aligned (ValueError)."""
         self._check_atomic(remote)
-        wr = SendWR(0, _ATOMIC_FETCH_AND_ADD, [], remote_addr=remote.addr,
-                    rkey=remote.rkey, compare_add=value & _MASK64)
-        op = Op(ATOMIC, self._loop.create_future(), wr=wr)
-        result: int = await self._submit(self._engine.tx.oneq, op)
+        op = atomic_op(self._create_future(), _WR_FETCH_AND_ADD, remote.addr, remote.rkey,
+                       value & _MASK64)
+        result: int = await self._submit(self._oneq, op)
         return result
 
     async def compare_swap(self, remote: RemoteBuffer, expected: int, new: int) -> int:
         """Atomically replace the 8-byte word at ``remote`` with ``new`` if it equals
         ``expected``; returns the old value (the swap happened iff it == expected)."""
         self._check_atomic(remote)
-        wr = SendWR(0, _ATOMIC_CMP_AND_SWP, [], remote_addr=remote.addr,
-                    rkey=remote.rkey, compare_add=expected & _MASK64, swap=new & _MASK64)
-        op = Op(ATOMIC, self._loop.create_future(), wr=wr)
-        result: int = await self._submit(self._engine.tx.oneq, op)
+        op = atomic_op(self._create_future(), _WR_CMP_AND_SWP, remote.addr, remote.rkey,
+                       expected & _MASK64, new & _MASK64)
+        result: int = await self._submit(self._oneq, op)
         return result
 
     def _check_atomic(self, remote: RemoteBuffer) -> None:

@@ -288,3 +288,37 @@ def test_an_rdma_op_is_posted_as_its_work_request_and_completes() -> None:
     assert w_write.resolved and w_read.resolved and w_read.exc is None
     with pytest.raises(OverflowError):
         rdma_op(WRITE, Waiter(), int(WROpcode.RDMA_WRITE), -1, 64, 7, 0, 9)
+
+
+def test_an_atomic_op_lands_in_a_send_buffer_and_returns_the_old_value() -> None:
+    """``atomic_op``: an atomic held as C fields goes out (on the port path) as the
+    ``SendWR`` they describe, its 8-byte result pointed at a send buffer taken when it
+    is posted; its waiter gets the old value from there, and the buffer is free again."""
+    from aiordma.protocol.engine import atomic_op
+
+    e, spool, _rpool, port = connected()
+    port.sends.clear()
+    free = spool.available
+    fa, cs = Waiter(), Waiter()
+    e.tx.oneq.append(atomic_op(fa, int(WROpcode.ATOMIC_FETCH_AND_ADD), 0x5008, 9, 3))
+    e.tx.oneq.append(atomic_op(cs, int(WROpcode.ATOMIC_CMP_AND_SWP), 0x6000, 11,
+                               0xFFFF_FFFF_FFFF_FFFF, 42))
+    e.tx.kick()
+    (chain,) = port.sends
+    add, swap = chain
+    assert (add.opcode, add.remote_addr, add.rkey, add.compare_add) == (
+        WROpcode.ATOMIC_FETCH_AND_ADD, 0x5008, 9, 3)
+    assert (swap.opcode, swap.remote_addr, swap.rkey, swap.compare_add, swap.swap) == (
+        WROpcode.ATOMIC_CMP_AND_SWP, 0x6000, 11, 0xFFFF_FFFF_FFFF_FFFF, 42)
+    assert spool.available == free - 2
+    for wr, old in ((add, 7), (swap, 1 << 63)):
+        (sge,) = wr.sg_list
+        assert sge.length == 8 and sge.lkey == spool.lkey
+        off = sge.addr - spool.base
+        assert 0 <= off < len(spool.view) and off % spool.slot_size == 0
+        spool.view[off: off + 8] = old.to_bytes(8, "little")  # the device's write
+    e.on_send_completion(WC(swap.wr_id, WCStatus.SUCCESS, WCOpcode.COMP_SWAP))
+    assert (fa.resolved, fa.result, cs.resolved, cs.result) == (True, 7, True, 1 << 63)
+    assert spool.available == free
+    with pytest.raises(OverflowError):
+        atomic_op(Waiter(), int(WROpcode.ATOMIC_FETCH_AND_ADD), 0, 9, -1)

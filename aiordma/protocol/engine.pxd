@@ -58,7 +58,7 @@ cdef class Op:
     cdef bint c_wr
     cdef int c_opcode
     cdef uint32_t c_length, c_lkey, c_rkey, c_imm
-    cdef uint64_t c_laddr, c_raddr
+    cdef uint64_t c_laddr, c_raddr, c_compare_add, c_swap
 
 
 cdef class Rx:

@@ -138,6 +138,8 @@ class Op:
 
 def rdma_op(kind: int, fut: Waiter | None, opcode: int, laddr: int, length: int, lkey: int,
             raddr: int, rkey: int, imm: int = 0, keep: Any = None) -> Op: ...
+def atomic_op(fut: Waiter | None, opcode: int, raddr: int, rkey: int, compare_add: int,
+              swap: int = 0) -> Op: ...
 
 class Rx:
     kind: int

@@ -93,13 +93,40 @@ def rdma_op(int kind, fut, int opcode, uint64_t laddr, uint32_t length, uint32_t
     op.c_raddr = raddr
     op.c_rkey = rkey
     op.c_imm = imm
+    op.c_compare_add = op.c_swap = 0
+    return op
+
+
+def atomic_op(fut, int opcode, uint64_t raddr, uint32_t rkey, uint64_t compare_add,
+              uint64_t swap=0):
+    """An atomic op (``opcode``: ATOMIC_FETCH_AND_ADD or ATOMIC_CMP_AND_SWP, a
+    ``WROpcode`` value) on the 8 bytes at ``raddr``/``rkey`` held as C fields, like
+    ``rdma_op``; its 8-byte result lands in a send buffer the sender takes when it
+    posts, and ``fut`` gets the old value. Raises OverflowError for a field out of its
+    C range."""
+    cdef Op op = Op.__new__(Op)
+    op.kind = K_ATOMIC
+    op.fut = fut
+    op.msg_id = 0
+    op.c_wr = True
+    op.c_opcode = opcode
+    op.c_laddr = 0  # (the result buffer: set when posted)
+    op.c_length = 8
+    op.c_lkey = 0
+    op.c_raddr = raddr
+    op.c_rkey = rkey
+    op.c_imm = 0
+    op.c_compare_add = compare_add
+    op.c_swap = swap
     return op
 
 
 cdef object send_wr_of_op(Op op):
-    """The ``SendWR`` of an ``rdma_op`` (the port path posts objects)."""
+    """The ``SendWR`` of an ``rdma_op`` or ``atomic_op`` (the port path posts
+    objects)."""
     return SendWR(0, WROpcode(op.c_opcode), [SGE(op.c_laddr, op.c_length, op.c_lkey)],
-                  imm_data=op.c_imm, remote_addr=op.c_raddr, rkey=op.c_rkey)
+                  imm_data=op.c_imm, remote_addr=op.c_raddr, rkey=op.c_rkey,
+                  compare_add=op.c_compare_add, swap=op.c_swap)
 
 
 @cython.freelist(64)

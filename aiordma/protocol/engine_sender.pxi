@@ -103,7 +103,7 @@ cdef class Sender:
         cdef MessageEngine e = self.e
         cdef CreditState credits = e.credits
         cdef Slots spool = self.spool
-        cdef int room
+        cdef int room, slot
         cdef Op op
         cdef int kind
         st = e.state
@@ -124,12 +124,17 @@ cdef class Sender:
             batch.append(op)
         while self.oneq and room > len(batch):
             op = self.oneq[0]
-            if op.kind == K_ATOMIC:
+            if op.kind == K_ATOMIC:  # its result lands in a send buffer
                 if not spool._nfree:
                     break
-                op.slot = spool.acquire_c()
-                e.port.set_atomic_target(op.wr, spool.base + op.slot * spool.slot_size,
-                                         spool.lkey)
+                slot = spool.acquire_c()
+                op.slot = slot
+                if op.c_wr:
+                    op.c_laddr = spool.base_addr + <uint64_t>slot * spool.slot_size
+                    op.c_lkey = spool.lkey_c
+                else:
+                    e.port.set_atomic_target(op.wr, spool.base + slot * spool.slot_size,
+                                             spool.lkey)
             self.oneq.popleft()
             batch.append(op)
         while self.sendq and room > len(batch) and credits.can_send_data():
@@ -334,7 +339,8 @@ cdef class Sender:
                 w.imm_data = op.c_imm
                 w.rkey = op.c_rkey
                 w.remote_addr = op.c_raddr
-                w.compare_add = w.swap = 0
+                w.compare_add = op.c_compare_add
+                w.swap = op.c_swap
                 flags = 0
             elif op.wr is None:  # a frame in its send slot
                 w.opcode = 2  # IBV_WR_SEND
