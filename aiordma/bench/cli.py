@@ -95,6 +95,10 @@ def _parser() -> argparse.ArgumentParser:
                        (*SOCKET_BASELINES, *LOCAL_BASELINES, *EXTERNAL_BASELINES))
                    + "; 'none' for aiordma alone")
     p.add_argument("--no-aiordma", action="store_true", help="run the baselines only")
+    p.add_argument("--cpus", default=None, metavar="SERVER,CLIENT",
+                   help="pin every transport's server process to CPU SERVER and its client "
+                        "to CPU CLIENT, e.g. 1,0 (a host whose placement of the two varies "
+                        "between runs; perftest is not pinned)")
     p.add_argument("--rounds", type=int, default=1,
                    help="run every transport this many times, alternating the order; "
                         "report the median round of each figure (a noisy machine)")
@@ -137,11 +141,29 @@ def config_from_args(a: argparse.Namespace) -> Config:
         sizes = sorted({s for t in tests for s in sizes_for[t]})
     if a.iters < 1 or a.window < 1 or a.rate_window < 1 or a.max_seconds <= 0:
         raise SystemExit("bench: --iters, --window, --rate-window and --max-seconds must be positive")
+    cpus = _cpus(a.cpus) if a.cpus else None
     return Config(tests=tests, sizes=sizes, iters=a.iters, warmup=max(0, a.warmup),
                   window=a.window, rate_window=a.rate_window, max_seconds=a.max_seconds,
                   max_bytes=parse_size(a.max_bytes), loop=a.loop, provider=a.provider,
                   device=a.device, poll_mode=a.poll_mode, spin_us=a.spin_us,
-                  sizes_for=sizes_for)
+                  sizes_for=sizes_for, cpus=cpus)
+
+
+def _cpus(spec: str) -> list[int]:
+    """``--cpus SERVER,CLIENT``: two CPU numbers this process may use."""
+    parts = spec.split(",")
+    try:
+        cpus = [int(p) for p in parts]
+    except ValueError:
+        cpus = []
+    if len(cpus) != 2 or min(cpus) < 0:
+        raise SystemExit(f"bench: --cpus needs SERVER,CLIENT (two CPU numbers), not {spec!r}")
+    allowed = os.sched_getaffinity(0)
+    bad = [c for c in cpus if c not in allowed]
+    if bad:
+        raise SystemExit(f"bench: --cpus {spec}: CPU {bad[0]} is not in this process's "
+                         f"set {sorted(allowed)}")
+    return cpus
 
 
 # ======================================================================= running

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import resource
 import statistics
 import time
@@ -130,6 +131,15 @@ class Config:
     skip: int = 0  # (test, size) items already done (a pair restarted after a failure)
     #: per-test sizes (``--sizes-for``); ``sizes`` then holds every size of the run
     sizes_for: dict[str, list[int]] = field(default_factory=dict)
+    #: ``--cpus``: [server CPU, client CPU] each worker pins itself to (None: unpinned)
+    cpus: list[int] | None = None
+
+    def pin(self, role: str) -> None:
+        """Pin this process (its threads to come too) to the CPU ``cpus`` gives ``role``
+        (``server`` or ``client``); nothing when ``cpus`` is None. Raises OSError when
+        the CPU is not this process's to use."""
+        if self.cpus is not None:
+            os.sched_setaffinity(0, {self.cpus[0] if role == "server" else self.cpus[1]})
 
     def sizes_of(self, test: str) -> list[int]:
         """The sizes ``test`` runs (``--sizes-for``, else ``--sizes``)."""

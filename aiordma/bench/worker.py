@@ -218,6 +218,7 @@ async def client(transport: str, cfg: Config, server: dict[str, Any]) -> int:
 def main(argv: list[str]) -> int:
     role, transport, cfg_json = argv[0], argv[1], argv[2]
     cfg = Config.from_json(cfg_json)
+    cfg.pin(role)
     if transport == "pyverbs":  # synchronous busy-polling, no event loop
         from . import pyverbs_sync
 
