@@ -74,9 +74,9 @@ def _flat_view(data: Any) -> memoryview:
         mv = memoryview(data)
     except TypeError:
         raise TypeError(f"a bytes-like object is required, not {type(data).__name__!r}") from None
+    if not mv.c_contiguous:
+        raise TypeError("a C-contiguous buffer is required")
     if mv.ndim != 1 or mv.format != "B":
-        if not mv.c_contiguous:
-            raise TypeError("a C-contiguous buffer is required")
         mv = mv.cast("B")
     return mv
 
@@ -296,11 +296,13 @@ class Endpoint:
         fut: asyncio.Future[None] = self._create_future()
         cls = type(data)
         op: Op | None = None
-        if (cls is bytes or cls is bytearray) and self._life.closing is None:
+        if (cls is bytes or cls is bytearray or cls is memoryview) \
+                and self._life.closing is None:
             op = self._send_eager(fut, data)  # the usual case: one call into the engine
-            n = len(data)
         if op is None:
             op, n = self._queue_send(fut, data)
+        else:
+            n = len(data)
         try:
             if self._reactor.waits:
                 await self._reactor.wait(fut, op.posted)

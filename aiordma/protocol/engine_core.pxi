@@ -154,20 +154,34 @@ cdef class MessageEngine:
         return self._qp_ops != NULL
 
     def send_eager(self, fut, data):
-        """Queue ``data`` (bytes or bytearray) as a DATA message and post what can go,
-        where it may go eagerly now: connected, open for sending, at most
-        ``eager_payload`` bytes. Returns its op (as ``Sender.queue_data``), or None
-        with nothing queued: the caller finds the precise error, or sends it by
-        rendezvous."""
+        """Queue ``data`` (bytes, bytearray or memoryview) as a DATA message and post
+        what can go, where it may go eagerly now: connected, open for sending, at most
+        ``eager_payload`` bytes, and (a memoryview) one flat run of unsigned bytes
+        (format ``B``, contiguous). Returns its op (as ``Sender.queue_data``), or None
+        with nothing queued: the caller finds the precise error, casts the view, or
+        sends it by rendezvous. Raises ValueError for a released memoryview."""
         cdef Py_ssize_t n
+        cdef Py_buffer *view
         if self.credits is None or not self.state.can_send:
             return None
-        n = len(data)
+        if type(data) is bytes:
+            n = len(data)
+            if n > self.eager_payload or n > self.max_message_size:
+                return None
+            return self.tx.queue_data_c(fut, data)  # immutable: held as it is
+        # A bytearray or a memoryview is held through a view of our own on its buffer:
+        # the buffer cannot be resized until it is copied, whatever the caller does with
+        # its own view (releasing it leaves ours).
+        payload = PyMemoryView_FromObject(data)
+        view = PyMemoryView_GET_BUFFER(payload)
+        if view.ndim != 1 or view.itemsize != 1 or (
+                view.strides != NULL and view.strides[0] != 1) or (
+                view.format != NULL and (view.format[0] != b'B' or view.format[1] != 0)):
+            return None
+        n = view.len
         if n > self.eager_payload or n > self.max_message_size:
             return None
-        # bytes are immutable: the op holds them as they are; a bytearray is held
-        # through a memoryview, which keeps it from being resized until it is copied
-        return self.tx.queue_data_c(fut, data if type(data) is bytes else memoryview(data))
+        return self.tx.queue_data_c(fut, payload)
 
     def use_qp(self, qp, ops):
         """Post through the C-level operations ``ops`` (the capsule of a QP's
