@@ -192,3 +192,19 @@ async def test_peer_closed_we_read_everything_later(provider_name: str) -> None:
             assert await asyncio.wait_for(srv.recv(), T) == bytes([i]) * 100
         with pytest.raises(aiordma.ConnectionClosed):
             await asyncio.wait_for(srv.recv(), T)
+
+
+async def test_a_receiver_whose_peer_aborted_after_its_credit_frame_tears_down_at_once(
+        provider_name: str) -> None:
+    """The receiver's last frame was a CREDIT nobody waits for (posted unsignaled: it
+    may finish without a completion); then the peer aborts. The receiver's abort must
+    not wait for that frame (``close_timeout`` here far above the test's bound): its
+    teardown flushes what can complete and destroys."""
+    async with pair(provider_name, recv_depth=4, close_timeout=3 * T) as (ep, srv):
+        for i in range(3):  # enough consumed receives that the receiver returns credits
+            await asyncio.wait_for(ep.send(b"%d" % i), T)
+            assert await asyncio.wait_for(srv.recv(), T) == b"%d" % i
+        ep.abort()
+        await asyncio.wait_for(ep.wait_closed(), T)
+        srv.abort()
+        await asyncio.wait_for(srv.wait_closed(), T)

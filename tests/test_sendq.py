@@ -47,6 +47,21 @@ def test_awaited_ignores_an_unsignaled_tail() -> None:
     assert not sq.awaited and sq.used == 0
 
 
+@pytest.mark.parametrize("base", [0, 1 << 63], ids=["small", "engine-c-path"])
+def test_awaited_with_wr_ids_of_the_top_bit(base: int) -> None:
+    """The engine's C path numbers its WRs with the top bit of 64 set: an unsignaled
+    WR, alone or after a retired signaled one, is still not awaited (compared as signed
+    numbers every such wr_id looked below the last signaled one)."""
+    sq = SendQueue(depth=8, signal_interval=8)
+    assert not sq.push(base + 1, "credit", last_in_batch=False)
+    assert not sq.awaited and sq.used == 1
+    assert sq.push(base + 2, "data", last_in_batch=True)
+    assert sq.awaited
+    assert [w for w, _ in sq.complete(base + 2)] == [base + 1, base + 2]
+    assert not sq.push(base + 3, "credit", last_in_batch=False)
+    assert not sq.awaited and sq.used == 1
+
+
 def test_rejects_bad_sizes() -> None:
     with pytest.raises(ValueError):
         SendQueue(0)

@@ -89,7 +89,8 @@ cdef class SendQueue:
     cdef int _n
     cdef int _since_signal
     cdef int64_t _bytes_since
-    cdef int64_t _last_signaled
+    cdef uint64_t _last_signaled
+    cdef bint _signaled_any
     cdef bint push_c(self, uint64_t wr_id, object op, bint last_in_batch, int64_t nbytes) except -1
     cdef int count_to(self, uint64_t wr_id) noexcept
     cdef object pop_c(self, uint64_t *wr_id)

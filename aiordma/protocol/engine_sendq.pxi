@@ -35,7 +35,8 @@ cdef class SendQueue:
         self._n = 0
         self._since_signal = 0
         self._bytes_since = 0
-        self._last_signaled = -1
+        self._last_signaled = 0
+        self._signaled_any = False
 
     def __dealloc__(self):
         cdef int i
@@ -53,7 +54,10 @@ cdef class SendQueue:
         """True while a signaled WR is outstanding. The unsignaled WRs after the last
         signaled one may have finished without a completion, and only a later signaled
         WR (or their own error) retires them: nobody can wait for them."""
-        return self._n > 0 and <int64_t>self._q[self._head].wr_id <= self._last_signaled
+        # (unsigned: the engine's own wr_ids have the top bit set, which as a signed
+        # number would compare below every earlier one)
+        return (self._n > 0 and self._signaled_any
+                and self._q[self._head].wr_id <= self._last_signaled)
 
     @property
     def room(self):
@@ -76,7 +80,8 @@ cdef class SendQueue:
         if signal:
             self._since_signal = 0
             self._bytes_since = 0
-            self._last_signaled = <int64_t>wr_id
+            self._last_signaled = wr_id
+            self._signaled_any = True
         return signal
 
     def push(self, wr_id, op, *, bint last_in_batch, nbytes=0):
