@@ -165,20 +165,19 @@ cdef class MessageEngine:
         if self.credits is None or not self.state.can_send:
             return None
         if type(data) is bytes:
+            payload = data  # immutable: held as it is
             n = len(data)
-            if n > self.eager_payload or n > self.max_message_size:
+        else:
+            # A bytearray or a memoryview is held through a view of our own on its
+            # buffer: the buffer cannot be resized until it is copied, whatever the
+            # caller does with its own view (releasing it leaves ours).
+            payload = PyMemoryView_FromObject(data)
+            view = PyMemoryView_GET_BUFFER(payload)
+            if view.ndim != 1 or view.itemsize != 1 or (
+                    view.strides != NULL and view.strides[0] != 1) or (
+                    view.format != NULL and (view.format[0] != b'B' or view.format[1] != 0)):
                 return None
-            return self.tx.queue_data_c(fut, data)  # immutable: held as it is
-        # A bytearray or a memoryview is held through a view of our own on its buffer:
-        # the buffer cannot be resized until it is copied, whatever the caller does with
-        # its own view (releasing it leaves ours).
-        payload = PyMemoryView_FromObject(data)
-        view = PyMemoryView_GET_BUFFER(payload)
-        if view.ndim != 1 or view.itemsize != 1 or (
-                view.strides != NULL and view.strides[0] != 1) or (
-                view.format != NULL and (view.format[0] != b'B' or view.format[1] != 0)):
-            return None
-        n = view.len
+            n = view.len
         if n > self.eager_payload or n > self.max_message_size:
             return None
         return self.tx.queue_data_c(fut, payload)
