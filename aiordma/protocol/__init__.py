@@ -5,7 +5,8 @@
   flow control (no RNR, no deadlock, no CREDIT storms), send-queue accounting, buffer
   slots, and the sender and receiver.
 * ``handshake``: the versioned out-of-band connection-setup codec.
-* ``state``: the connection state machine (OPEN .. CLOSED / FAILED).
+* ``state``: the connection state machine's states, events and rules (OPEN .. CLOSED /
+  FAILED); ``ConnectionState`` (the engine's) applies them.
 * ``errors``: ``LocalProtocolError`` (we broke the rules), ``RemoteProtocolError`` (peer did).
 """
 
@@ -27,6 +28,7 @@ from .engine import (
     RNDV_FAILED,
     RNDV_OK,
     RNDV_SIZE,
+    ConnectionState,
     CreditState,
     Frame,
     FrameType,
@@ -52,7 +54,7 @@ from .handshake import (
     encode_ready,
     encode_reject,
 )
-from .state import ConnectionState, Event, State
+from .state import Event, State
 
 __all__ = [
     "LocalProtocolError",

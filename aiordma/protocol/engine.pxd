@@ -7,6 +7,18 @@ from libc.stdint cimport int64_t, uint8_t, uint16_t, uint32_t, uint64_t
 from aiordma.verbs.cverbs cimport c_qp_ops_t, c_recv_wr_t, c_send_wr_t, c_wc_t
 
 
+cdef class ConnectionState:
+    cdef readonly object local       # our side (Local)
+    cdef readonly object remote      # the peer's side (Remote)
+    cdef readonly bint failed
+    cdef readonly bint final
+    cdef bint _poisoned
+    cdef object summary_c(self)
+    cpdef object handle(self, object event)
+    cdef bint can_send_c(self) noexcept
+    cdef bint can_receive_c(self) noexcept
+
+
 cdef class Slots:
     cdef readonly object view
     cdef readonly object base
@@ -163,7 +175,7 @@ cdef class Receiver:
 
 cdef class MessageEngine:
     cdef public EnginePort port
-    cdef public object state
+    cdef readonly ConnectionState state
     cdef public CreditState credits
     cdef public object first_error
     cdef public int eager

@@ -6,6 +6,7 @@ One extension module; its parts are the ``engine_*.pxi`` files it includes, one 
 to change each (``engine.pxd`` declares their C-level interface, ``engine.pyi`` the
 Python one):
 
+* ``engine_state``    -- ``ConnectionState``: the connection state machine (``state.py``'s rules)
 * ``engine_slots``    -- ``Slots``: fixed-size buffer slots of one region (a C free stack)
 * ``engine_credits``  -- ``CreditState``: receive-credit flow control (its rules)
 * ``engine_framing``  -- the 8-byte frame header of every SEND: writers and the parser
@@ -60,7 +61,8 @@ from aiordma.verbs.enums import WCOpcode, WCStatus, WROpcode
 from aiordma.verbs.wr import SGE, WC, SendWR
 
 from .errors import LocalProtocolError, RemoteProtocolError
-from .state import ConnectionState, Event, Local, Remote
+from . import state as _state_rules
+from .state import Event, Local, Remote, State
 
 # The enum members the data path compares with, looked up once: a member's lookup on
 # its class goes through the enum's metaclass (``EnumType.__getattr__`` on Python
@@ -70,6 +72,7 @@ cdef object LOCAL_CLOSE_SENT = Local.CLOSE_SENT
 cdef object EV_RECV_DATA = Event.RECV_DATA
 cdef object EV_RECV_CLOSE = Event.RECV_CLOSE
 
+include "engine_state.pxi"
 include "engine_slots.pxi"
 include "engine_credits.pxi"
 include "engine_framing.pxi"

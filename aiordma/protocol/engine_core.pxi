@@ -2,7 +2,7 @@
 # one connection's state, credits and single failure path.
 #
 # It owns everything an endpoint decides per message: the connection's state
-# (``state.py``, the one source of it), receive credits (engine_credits.pxi), the send
+# (``ConnectionState``, engine_state.pxi, the one record of it), receive credits (engine_credits.pxi), the send
 # queues, posting and signaling (engine_sender.pxi), the receive buffers, received
 # messages and rendezvous reads (engine_receiver.pxi), and the single failure path. Events come in
 # as calls -- a user's request (queued ops), a work completion (``on_send_completion``,
@@ -162,7 +162,7 @@ cdef class MessageEngine:
         sends it by rendezvous. Raises ValueError for a released memoryview."""
         cdef Py_ssize_t n
         cdef Py_buffer *view
-        if self.credits is None or not self.state.can_send:
+        if self.credits is None or not self.state.can_send_c():
             return None
         if type(data) is bytes:
             payload = data  # immutable: held as it is
@@ -214,7 +214,7 @@ cdef class MessageEngine:
         """Queue our CLOSE frame once (it completes ``waiter``); ``final``: nothing is
         sent after it. False when it cannot go (failed, the peer gone): ``waiter`` was
         failed instead."""
-        st = self.state
+        cdef ConnectionState st = self.state
         if not st.failed and final:
             st.handle(Event.CLOSE)
         if st.local is LOCAL_CLOSE_SENT and not st.failed:

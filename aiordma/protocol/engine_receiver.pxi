@@ -155,7 +155,7 @@ cdef class Receiver:
         cdef frame_t f
         cdef Py_ssize_t base
         cdef int ftype
-        st = e.state
+        cdef ConnectionState st = e.state
         if st.failed:
             self.rpool.release_c(slot)
             e.port.check_drained()
@@ -177,7 +177,7 @@ cdef class Receiver:
             if ftype == T_CLOSE:
                 st.handle(EV_RECV_CLOSE)
             elif ftype == T_DATA or ftype == T_BATCH or ftype == T_RNDV:
-                if not st.can_receive:  # (else RECV_DATA changes nothing)
+                if not st.can_receive_c():  # (else RECV_DATA changes nothing)
                     st.handle(EV_RECV_DATA)
         except RemoteProtocolError as exc:
             self.rpool.release_c(slot)
@@ -347,7 +347,7 @@ cdef class Receiver:
 
     def _prefetch_deferred(self):
         self._prefetch_scheduled = False
-        st = self.e.state
+        cdef ConnectionState st = self.e.state
         if self.receivers or st.failed or st.remote is REMOTE_GONE:
             return
         self.read_ahead(self.rndv_prefetch)

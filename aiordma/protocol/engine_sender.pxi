@@ -106,7 +106,7 @@ cdef class Sender:
         cdef int room, slot
         cdef Op op
         cdef int kind
-        st = e.state
+        cdef ConnectionState st = e.state
         if st.failed or st.remote is REMOTE_GONE or credits is None:
             return 0
         batch = []

@@ -1,6 +1,7 @@
-"""Connection state machine of an endpoint (h11 style: tables of legal transitions).
-
-The message engine (``engine.py``) keeps the connection's state here and nowhere else.
+"""Connection state machine of an endpoint (h11 style: tables of legal transitions): its
+states, events and rules. ``ConnectionState`` applies them (``aiordma.protocol``; the
+message engine's, compiled in ``engine_state.pxi`` with its fields in C, as the data path
+reads them for every message), and is the one place a connection's state is kept.
 It has two halves and a failure flag, as h11 keeps one state per role:
 
 * **our side** (``Local``): what we may still send::
@@ -34,10 +35,8 @@ from __future__ import annotations
 
 from enum import Enum
 
-from .errors import LocalProtocolError, RemoteProtocolError
-
 __all__ = ["State", "Local", "Remote", "Event", "TRANSITIONS", "LOCAL", "REMOTE",
-           "ConnectionState"]
+           "LOCAL_EVENTS", "NEEDS_PEER", "WHY"]
 
 
 class _Enum(Enum):
@@ -120,97 +119,16 @@ TRANSITIONS: dict[State, dict[Event, State]] = {
 }
 """The summary: ``TRANSITIONS[state][event] -> next state`` for the frame events."""
 
-_LOCAL_EVENTS = frozenset({_E.SEND_DATA, _E.SEND_CLOSE, _E.SHUT_WR, _E.CLOSE})
-_NEEDS_PEER = frozenset({_E.SEND_DATA, _E.SEND_CLOSE})  # illegal to a GONE peer
-_WHY = {
+LOCAL_EVENTS = frozenset({_E.SEND_DATA, _E.SEND_CLOSE, _E.SHUT_WR, _E.CLOSE})
+"""Our events (``LOCAL`` applies them; an illegal one raises ``LocalProtocolError``); the
+others are the peer's (``REMOTE``; ``RemoteProtocolError``). ``FAIL`` is neither: it is
+always legal."""
+NEEDS_PEER = frozenset({_E.SEND_DATA, _E.SEND_CLOSE})
+"""Our events that are illegal once the peer is GONE."""
+WHY = {
     _S.LOCAL_CLOSING: "after we sent CLOSE",
     _S.REMOTE_CLOSED: "after the peer sent CLOSE",
     _S.CLOSED: "on a closed connection",
     _S.FAILED: "on a failed connection",
 }
-
-
-class ConnectionState:
-    """Where one endpoint's connection stands. Sans-IO: ``handle`` every frame sent or
-    received (before sending, after parsing), every shutdown request and failure."""
-
-    __slots__ = ("local", "remote", "failed", "final", "_poisoned")
-
-    def __init__(self) -> None:
-        #: our side (read-only: only ``handle`` changes these; plain attributes, not
-        #: properties, because the data path reads them for every message)
-        self.local = Local.OPEN
-        #: the peer's side
-        self.remote = Remote.OPEN
-        #: FAIL was handled (or an illegal event poisoned the machine): the connection
-        #: is over, nothing more is posted -- also after a clean close, which ends with
-        #: FAIL too (``state`` then still says CLOSED)
-        self.failed = False
-        #: CLOSE was handled: after our CLOSE frame nothing more is sent
-        self.final = False
-        self._poisoned = False
-
-    @property
-    def state(self) -> State:
-        """Both halves summarized in the classic five states."""
-        if self._poisoned:
-            return State.FAILED
-        sent = self.local is Local.CLOSE_SENT
-        if sent and self.remote is not Remote.OPEN:
-            return State.CLOSED
-        if self.failed:
-            return State.FAILED
-        if self.remote is Remote.OPEN:
-            return State.LOCAL_CLOSING if sent else State.OPEN
-        return State.REMOTE_CLOSED
-
-    def handle(self, event: Event) -> State:
-        """Apply ``event``; return the summary state. Raises ``LocalProtocolError`` /
-        ``RemoteProtocolError`` for an illegal event, after moving to FAILED."""
-        if event is Event.FAIL:
-            self.failed = True
-            return self.state
-        if not self.failed:
-            if event in _LOCAL_EVENTS:
-                nxt_local = LOCAL[self.local].get(event)
-                if nxt_local is not None and not (event in _NEEDS_PEER
-                                                  and self.remote is Remote.GONE):
-                    self.local = nxt_local
-                    if event is Event.CLOSE:
-                        self.final = True
-                    return self.state
-            else:
-                nxt_remote = REMOTE[self.remote].get(event)
-                if nxt_remote is not None:
-                    self.remote = nxt_remote
-                    return self.state
-        prev = self.state
-        self.failed = self._poisoned = True
-        who = LocalProtocolError if event in _LOCAL_EVENTS else RemoteProtocolError
-        if event in _NEEDS_PEER and self.remote is Remote.GONE and prev is not State.FAILED:
-            why = "after the peer went away"
-        elif event is Event.SEND_DATA and self.local is Local.DRAINING and prev is not State.FAILED:
-            why = "after shutting down (send_eof or close)"
-        else:
-            why = _WHY.get(prev, "in state " + prev.name)
-        raise who(f"{event.name} {why}")
-
-    @property
-    def can_send(self) -> bool:
-        """True if DATA may still be sent (our side OPEN, the peer not GONE)."""
-        return not self.failed and self.local is Local.OPEN and self.remote is not Remote.GONE
-
-    @property
-    def can_receive(self) -> bool:
-        """True if DATA (and the peer's CLOSE) may still arrive."""
-        return not self.failed and self.remote is Remote.OPEN
-
-    @property
-    def closed(self) -> bool:
-        """True once CLOSED or FAILED (nothing more can happen)."""
-        s = self.state
-        return s is State.CLOSED or s is State.FAILED
-
-    def __repr__(self) -> str:
-        extra = "" if self.failed else f" local={self.local.name} remote={self.remote.name}"
-        return f"<ConnectionState {self.state.name}{extra}>"
+"""How an illegal event's error names the state it came in."""
