@@ -2,7 +2,8 @@
 
 ``Endpoint.recv``/``recv_into`` take a message that is already there and nobody waits
 before them without a lock and without an await. Otherwise they come here: receivers
-are served in FIFO order (one ``asyncio.Lock``), each waits for the message at the
+are served in FIFO order (``ReceiverTurns``: ``asyncio.Lock``'s contract, compiled with
+the rest), each waits for the message at the
 head of the engine's receive queue, and a rendezvous message is RDMA-READ into the
 caller's registered buffer or into staging first. Cancellation never loses a message:
 a message is consumed only once it was handed over, and an interrupted READ into
@@ -12,6 +13,7 @@ staging is reused by the next receiver.
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from .errors import ConnectionClosed, MessageTooLarge
@@ -23,9 +25,72 @@ if TYPE_CHECKING:
     from .endpoint import Endpoint
 
 
+class ReceiverTurns:
+    """The receivers' turns: ``asyncio.Lock``'s contract (first come, first served; a
+    waiter cancelled before its turn leaves the line without holding up the next),
+    compiled with the endpoint's modules where asyncio's lock is interpreted Python
+    (five interpreted calls per contended receive).
+
+    ``take()`` takes the turn at once when it is free and nobody waits (True), else
+    returns False and the caller awaits ``wait()``; whoever took the turn calls
+    ``give()`` once, after which the first waiter gets it."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._held = False
+        self._waiters: deque[asyncio.Future[None]] = deque()
+
+    @property
+    def held(self) -> bool:
+        return self._held
+
+    def take(self) -> bool:
+        """Take the turn if it is free and no waiter is ahead (one whose wait was
+        cancelled does not count); returns whether it was taken."""
+        if self._held:
+            return False
+        for w in self._waiters:
+            if not w.cancelled():
+                return False
+        self._held = True
+        return True
+
+    async def wait(self) -> None:
+        """Wait for the turn, then hold it. Cancelled while waiting: raises
+        CancelledError without holding it (and hands a free turn to the next)."""
+        if self.take():
+            return
+        fut: asyncio.Future[None] = self._loop.create_future()
+        self._waiters.append(fut)
+        try:
+            try:
+                await fut
+            finally:
+                self._waiters.remove(fut)
+        except asyncio.CancelledError:
+            if not self._held:
+                self._wake_first()
+            raise
+        self._held = True
+
+    def give(self) -> None:
+        """Give the turn up: the first waiter gets it. Raises RuntimeError when it is
+        not held."""
+        if not self._held:
+            raise RuntimeError("the receivers' turn is not held")
+        self._held = False
+        self._wake_first()
+
+    def _wake_first(self) -> None:
+        if self._waiters:
+            fut = self._waiters[0]
+            if not fut.done():
+                fut.set_result(None)
+
+
 class Receiving:
     """The waits of one endpoint's receives (the module docstring). Uses the
-    endpoint's engine, reactor, regions and lifecycle; holds the receivers' lock."""
+    endpoint's engine, reactor, regions and lifecycle; keeps the receivers' turns."""
 
     def __init__(self, ep: Endpoint) -> None:
         self._engine = ep._engine
@@ -34,7 +99,7 @@ class Receiving:
         self._schedule = ep._reactor.schedule
         self._regions = ep._regions
         self._life = ep._life
-        self._lock = asyncio.Lock()
+        self._turns = ReceiverTurns(ep._loop)
 
     def wait_in_place(self) -> tuple[float, float] | None:
         """polling mode, nothing received yet and nobody else receiving: wait in place
@@ -61,7 +126,10 @@ class Receiving:
 
     async def recv(self) -> bytes:
         """``Endpoint.recv`` once it must wait: in turn, the next message as bytes."""
-        async with self._lock:
+        turns = self._turns
+        if not turns.take():
+            await turns.wait()
+        try:
             m = await self.next_rx()
             rx = self._engine.rx
             if m.kind == RX_DATA:
@@ -73,11 +141,16 @@ class Receiving:
             data = bytes(st.view)
             rx.consume_rndv(m)
             return data
+        finally:
+            turns.give()
 
     async def recv_into(self, out: memoryview) -> int:
         """``Endpoint.recv_into`` once it must wait: in turn, the next message into
         ``out`` (1-D, writable); returns its length."""
-        async with self._lock:
+        turns = self._turns
+        if not turns.take():
+            await turns.wait()
+        try:
             m = await self.next_rx()
             rx = self._engine.rx
             if m.length > out.nbytes:
@@ -99,6 +172,8 @@ class Receiving:
             n = m.length
             rx.consume_rndv(m)
             return n
+        finally:
+            turns.give()
 
     async def next_rx(self) -> Rx:
         """The message at the head of the receive queue (left there); raises
