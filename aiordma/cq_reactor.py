@@ -75,9 +75,10 @@ class _CQSlot:
         self.progress: Callable[..., int] | None = None
         self.flush_scheduled = False
         self.armed = False  # req_notify'd since its last event (see _arm_idle)
-        # the calls of every wake-up, bound once (not looked up by name each time)
-        self.get_event: Callable[[], CQ | None] = channel.get_event
-        self.req_notify: Callable[[], None] = cq.req_notify
+        # the calls of every wake-up, bound once (not looked up by name each time), the
+        # provider's compiled ones where it has them
+        self.get_event: Callable[[], CQ | None] = channel.event_reader()
+        self.req_notify: Callable[[], None] = cq.notifier()
         # (a manual-progress device's: the work its progress deferred)
         self.flush: Callable[[], None] | None = (channel.flush if channel.manual_progress
                                                  else None)

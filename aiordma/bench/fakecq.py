@@ -32,6 +32,9 @@ class FakeChannel:
         self.events.append(cq)
         os.write(self.w, b"x")
 
+    def event_reader(self) -> Any:
+        return self.get_event
+
     def get_event(self) -> Any:
         """The CQ of the next event, or None when none is pending."""
         try:
@@ -83,6 +86,9 @@ class FakeCQ:
     def c_ops(self) -> None:
         """No C-level poll (``api.CQ.c_ops``): the reactor polls it in Python."""
         return None
+
+    def notifier(self) -> Any:
+        return self.req_notify
 
     def req_notify(self, solicited_only: bool = False) -> None:
         self.armed = True

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 from .enums import MTU, Access, EventType, LinkLayer, PortState, QPState
@@ -224,6 +225,12 @@ class CompChannel(abc.ABC):
     def get_event(self) -> CQ | None:
         """The CQ of the next queued event, or ``None`` if none is queued. Never blocks."""
 
+    def event_reader(self) -> Callable[[], CQ | None]:
+        """``get_event`` as the callable a consumer calls for every event: compiled
+        where the provider has it so (the same contract); by default the bound
+        method."""
+        return self.get_event
+
     @abc.abstractmethod
     def close(self) -> None:
         """Destroy; refused (RDMAError EBUSY) while CQs use it. Idempotent."""
@@ -248,6 +255,12 @@ class CQ(abc.ABC):
     @abc.abstractmethod
     def req_notify(self, solicited_only: bool = False) -> None:
         """Arm: one channel event for the next completion added after this call."""
+
+    def notifier(self) -> Callable[[], None]:
+        """``req_notify()`` (every completion, not solicited-only) as the callable a
+        consumer calls to arm after every event: compiled where the provider has it so
+        (the same contract); by default the bound method."""
+        return self.req_notify
 
     @abc.abstractmethod
     def ack_events(self, n: int) -> None:

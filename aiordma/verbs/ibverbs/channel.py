@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ...errors import DeviceError, RDMAError
@@ -60,6 +61,8 @@ class IbvCompChannel(CompChannel):
         self._reader = _reader(ptr) if ptr else None
         self.fd = fd
         self._cqs: dict[int, IbvCQ] = {}  # id(cq token) -> CQ
+        if self._reader is not None and not isinstance(self._reader, clib.ChannelReader):
+            self._reader.attach(self._cqs)  # (next_cq reads this table)
         self._closed = False
         ctx._children.add(self)
 
@@ -120,11 +123,21 @@ class IbvCompChannel(CompChannel):
         cq._events_got += 1
         return cq
 
+    def event_reader(self) -> Callable[[], IbvCQ | None]:
+        """``get_event`` compiled (``fastpath.ChannelEvents.next_cq``) where the channel's
+        events are read through the compiled reader; else the method."""
+        reader = self._reader
+        if reader is None or isinstance(reader, clib.ChannelReader):
+            return self.get_event
+        return reader.next_cq
+
     def close(self) -> None:
         if self._closed:
             return
         if self._cqs:
             raise RDMAError(errno.EBUSY, f"completion channel still used by {len(self._cqs)} CQ(s)")
+        if self._reader is not None and not isinstance(self._reader, clib.ChannelReader):
+            self._reader.close()  # (next_cq reads nothing from now on)
         try:
             self._cc.close()
         except self._pv.Error as exc:

@@ -196,6 +196,14 @@ class IbvCQ(CQ):
         except self._pv.Error as exc:
             raise RDMAError(compat.errno_of(exc), f"ibv_req_notify_cq: {exc}") from None
 
+    def notifier(self) -> Callable[[], None]:
+        """``req_notify()`` compiled (``fastpath.CQPoller.notify``) where this CQ is
+        polled through the compiled data path; else the method."""
+        p = self._poller
+        if p is None or isinstance(p, clib.CQPoller):
+            return self.req_notify
+        return p.notify
+
     def ack_events(self, n: int) -> None:
         n = min(n, self._events_got - self._events_acked)
         if n <= 0 or self._closed:

@@ -75,6 +75,7 @@ cdef class CQPoller:
 
 
 cdef class ChannelEvents:
-    cdef void *channel
+    cdef void *channel           # NULL once closed
     cdef ibv_get_cq_event_fn get_fn
     cdef ibv_ack_cq_events_fn ack_fn
+    cdef dict cqs                # for next_cq: the channel's IbvCQs by token (attach)

@@ -19,7 +19,7 @@ this module only refuses what would overrun its own arrays.
 """
 
 from cpython.pycapsule cimport PyCapsule_New
-from libc.errno cimport EAGAIN, EBADF, EINTR, EINVAL, ENOMEM, errno
+from libc.errno cimport EAGAIN, EBADF, EINTR, EINVAL, EIO, ENOMEM, errno
 from libc.stdint cimport uint32_t, uintptr_t
 from libc.stdlib cimport calloc, free, realloc
 from libc.string cimport memcpy, memset
@@ -27,7 +27,7 @@ from libc.string cimport memcpy, memset
 import errno as _errno
 import os
 
-from aiordma.errors import CQOverrunError, PostError
+from aiordma.errors import CQOverrunError, PostError, RDMAError
 from aiordma.verbs.enums import WC_OPCODE_FOR_WR, QPState
 
 from aiordma.verbs.cverbs cimport (
@@ -467,6 +467,13 @@ cdef class CQPoller:
         """``arm`` from Python: 0, or an errno value."""
         return self.arm(solicited_only)
 
+    def notify(self):
+        """``IbvCQ.req_notify()`` compiled (``CQ.notifier``): one channel event for the
+        next completion. Raises RDMAError (EBADF once closed)."""
+        cdef int rc = self.arm(0)
+        if rc:
+            raise RDMAError(rc, f"ibv_req_notify_cq: {os.strerror(rc)}")
+
     def poll(self, int n):
         """Up to ``n`` completions: ``(count, list of RawWC tuples)`` (``compat.RawWC``:
         wr_id, status, opcode, vendor_err, byte_len, imm_data as on the wire, qp_num,
@@ -519,6 +526,44 @@ cdef class ChannelEvents:
             if err == EAGAIN or err == EWOULDBLOCK:
                 return None
             raise OSError(err, f"ibv_get_cq_event: {_errno_name(err)}")
+
+    def attach(self, dict cqs):
+        """For ``next_cq``: the channel's CQs by token (``IbvCompChannel``'s table: the
+        ``cq_context`` of each, as an int, to its ``IbvCQ``), kept current by the
+        channel."""
+        self.cqs = cqs
+
+    def close(self):
+        """Read nothing from now on: the channel is being destroyed."""
+        self.channel = NULL
+
+    def next_cq(self):
+        """``IbvCompChannel.get_event`` compiled (``CompChannel.event_reader``): the
+        ``IbvCQ`` of the next event -- counted in its ``_events_got``, its ``_cq_ptr``
+        learnt -- or None when none is queued (the fd is non-blocking) or once closed.
+        An event of a CQ not in the table (cannot happen) is acknowledged at once, to
+        keep libibverbs' count right, and skipped. Raises RDMAError for a failure other
+        than EAGAIN (EINTR is retried)."""
+        cdef ibv_cq *cq = NULL
+        cdef void *ctx = NULL
+        cdef int rc, err
+        while self.channel != NULL:
+            rc = self.get_fn(self.channel, &cq, &ctx)
+            if rc == 0:
+                owner = None if self.cqs is None else self.cqs.get(<uintptr_t>ctx)
+                if owner is None:
+                    self.ack_fn(cq, 1)
+                    continue
+                owner._cq_ptr = <uintptr_t>cq
+                owner._events_got += 1
+                return owner
+            err = errno
+            if err == EINTR:
+                continue
+            if err == EAGAIN or err == EWOULDBLOCK:
+                return None
+            raise RDMAError(err or EIO, f"ibv_get_cq_event: {_errno_name(err)}")
+        return None
 
     def ack(self, uintptr_t cq_ptr, unsigned int n):
         """``ibv_ack_cq_events(cq, n)``."""

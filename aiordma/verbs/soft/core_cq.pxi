@@ -227,6 +227,10 @@ cdef class SoftCompChannel:
             if not self._events:
                 self._flag.lower_c()
 
+    def event_reader(self):
+        """``get_event``, compiled already (``CompChannel.event_reader``)."""
+        return self.get_event
+
     def get_event(self):
         if not self._events:  # producers append under the lock and raise the fd after
             return None
@@ -422,6 +426,10 @@ cdef class SoftCQ:
                 break
             n -= got
         return out
+
+    def notifier(self):
+        """``req_notify``, compiled already (``CQ.notifier``)."""
+        return self.req_notify
 
     def req_notify(self, bint solicited_only=False):
         # One C store, atomic under the GIL: a producer (lock held) sees the CQ armed or
