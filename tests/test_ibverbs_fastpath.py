@@ -430,6 +430,63 @@ def test_a_channel_reads_its_events_in_c(monkeypatch: pytest.MonkeyPatch, fake: 
     assert isinstance(ctx.create_comp_channel()._reader, clib.ChannelReader)
 
 
+def test_a_channel_s_event_reader_is_compiled(monkeypatch: pytest.MonkeyPatch,
+                                              fake: Any) -> None:
+    """``event_reader()`` of a channel read through ``fastpath.ChannelEvents`` is its
+    ``next_cq``: get_event's contract in C (the CQ's event counted, an unknown CQ's
+    event acknowledged and skipped, errors as RDMAError, nothing once closed); through
+    ctypes it is the method itself."""
+    from aiordma.verbs.ibverbs import channel as ibv_channel
+
+    lib = _CLibEvents()
+    monkeypatch.setattr(clib, "libibverbs", lambda: lib)
+    orig_locate = ibv_channel.IbvCompChannel._locate
+    monkeypatch.setattr(ibv_channel.IbvCompChannel, "_locate",
+                        lambda self, before: (orig_locate(self, before)[0], 0x7000))
+    ctx = _qp_setup(fake)[0]
+    ch = ctx.create_comp_channel()
+    read = ch.event_reader()
+    assert read == ch._reader.next_cq
+    cq = ctx.create_cq(8, ch)
+    lib.events = [(0x300, 0xDEAD), (0x100, id(cq._token))]
+    assert read() is cq and cq._events_got == 1 and cq._cq_ptr == 0x100
+    assert lib.acked == [(0x300, 1)]  # not one of ours: acknowledged, skipped
+    assert read() is None
+    cq.ack_events(1)
+    lib.fail = errno.EBADF
+    with pytest.raises(RDMAError) as ei:
+        read()
+    assert ei.value.errno == errno.EBADF
+    lib.fail = errno.EAGAIN
+    cq.close()
+    ch.close()
+    calls = len(lib.channels)
+    assert read() is None and len(lib.channels) == calls  # closed: libibverbs not called
+    monkeypatch.setenv("AIORDMA_VERBS_POLL", "ctypes")
+    other = ctx.create_comp_channel()
+    assert other.event_reader() == other.get_event
+
+
+def test_a_cq_s_notifier_is_compiled(abi: FakeVerbsABI, fake: Any) -> None:
+    """``notifier()`` of a compiled CQ is its poller's ``notify``: req_notify() in C,
+    the device's errno raised as RDMAError, EBADF once closed."""
+    cq = _qp_setup(fake)[3]
+    assert cq.data_path == "compiled"
+    arm = cq.notifier()
+    assert arm == cq._poller.notify
+    arm()
+    assert abi.arms == [(cq._cq_ptr, 0)]
+    abi.arm_errno = errno.EINVAL
+    with pytest.raises(RDMAError) as ei:
+        arm()
+    assert ei.value.errno == errno.EINVAL
+    abi.arm_errno = 0
+    cq._poller.close()
+    with pytest.raises(RDMAError) as ei:
+        arm()
+    assert ei.value.errno == errno.EBADF
+
+
 def test_no_struct_found_means_pyverbs(fake: Any) -> None:
     """The pointer probe finds nothing (here: no context struct): pyverbs posts."""
     qp = _qp_setup(fake)[-1]
@@ -461,6 +518,10 @@ def test_a_device_s_objects_use_the_compiled_path(provider_name: str) -> None:
         assert rcq._arm is not None
         rcq.req_notify()
         assert rcq.channel.get_event() is None  # nothing completed: no event
+        # ... and the reactor's calls of every wake-up are the compiled ones
+        rcq.notifier()()
+        assert rcq.channel.event_reader()() is None
+        assert rcq.notifier() == rcq._poller.notify
         qp.close()
         for obj in (scq, rcq, rcq.channel, pd):
             obj.close()
