@@ -459,9 +459,21 @@ def test_a_channel_s_event_reader_is_compiled(monkeypatch: pytest.MonkeyPatch,
     assert ei.value.errno == errno.EBADF
     lib.fail = errno.EAGAIN
     cq.close()
+    real_close = ch._cc.close
+
+    def refused() -> None:
+        raise ctx._pv.Error("ibv_destroy_comp_channel refused")
+
+    ch._cc.close = refused
+    with pytest.raises(RDMAError):
+        ch.close()
+    calls = len(lib.channels)
+    assert read() is None and len(lib.channels) == calls + 1  # not destroyed: still read
+    ch._cc.close = real_close
     ch.close()
     calls = len(lib.channels)
     assert read() is None and len(lib.channels) == calls  # closed: libibverbs not called
+    assert ch._reader.get() is None and len(lib.channels) == calls
     monkeypatch.setenv("AIORDMA_VERBS_POLL", "ctypes")
     other = ctx.create_comp_channel()
     assert other.event_reader() == other.get_event

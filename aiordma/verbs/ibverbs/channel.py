@@ -136,13 +136,13 @@ class IbvCompChannel(CompChannel):
             return
         if self._cqs:
             raise RDMAError(errno.EBUSY, f"completion channel still used by {len(self._cqs)} CQ(s)")
-        if self._reader is not None and not isinstance(self._reader, clib.ChannelReader):
-            self._reader.close()  # (next_cq reads nothing from now on)
         try:
             self._cc.close()
         except self._pv.Error as exc:
             raise self._ctx._error(exc, "ibv_destroy_comp_channel") from None
         self._closed = True
+        if self._reader is not None and not isinstance(self._reader, clib.ChannelReader):
+            self._reader.close()  # (its struct is gone: next_cq and get read nothing)
         self._ctx._children.discard(self)
 
     def __repr__(self) -> str:

@@ -511,12 +511,12 @@ cdef class ChannelEvents:
 
     def get(self):
         """``(struct ibv_cq *, cq_context)`` of the next event; None when none is queued
-        (the channel's fd is non-blocking). Raises OSError for a failure other than
-        EAGAIN (EINTR is retried)."""
+        (the channel's fd is non-blocking) or once closed. Raises OSError for a failure
+        other than EAGAIN (EINTR is retried)."""
         cdef ibv_cq *cq = NULL
         cdef void *ctx = NULL
         cdef int rc, err
-        while True:
+        while self.channel != NULL:
             rc = self.get_fn(self.channel, &cq, &ctx)
             if rc == 0:
                 return <uintptr_t>cq, <uintptr_t>ctx
@@ -526,6 +526,7 @@ cdef class ChannelEvents:
             if err == EAGAIN or err == EWOULDBLOCK:
                 return None
             raise OSError(err, f"ibv_get_cq_event: {_errno_name(err)}")
+        return None
 
     def attach(self, dict cqs):
         """For ``next_cq``: the channel's CQs by token (``IbvCompChannel``'s table: the
@@ -534,7 +535,8 @@ cdef class ChannelEvents:
         self.cqs = cqs
 
     def close(self):
-        """Read nothing from now on: the channel is being destroyed."""
+        """Read nothing from now on (``get`` and ``next_cq``): the channel was
+        destroyed."""
         self.channel = NULL
 
     def next_cq(self):
