@@ -61,8 +61,12 @@ class IbvCompChannel(CompChannel):
         self._reader = _reader(ptr) if ptr else None
         self.fd = fd
         self._cqs: dict[int, IbvCQ] = {}  # id(cq token) -> CQ
-        if self._reader is not None and not isinstance(self._reader, clib.ChannelReader):
-            self._reader.attach(self._cqs)  # (next_cq reads this table)
+        # the reader when it is the compiled one (next_cq reads the table above)
+        self._compiled: ChannelEvents | None = (
+            None if self._reader is None or isinstance(self._reader, clib.ChannelReader)
+            else self._reader)
+        if self._compiled is not None:
+            self._compiled.attach(self._cqs)
         self._closed = False
         ctx._children.add(self)
 
@@ -126,10 +130,7 @@ class IbvCompChannel(CompChannel):
     def event_reader(self) -> Callable[[], IbvCQ | None]:
         """``get_event`` compiled (``fastpath.ChannelEvents.next_cq``) where the channel's
         events are read through the compiled reader; else the method."""
-        reader = self._reader
-        if reader is None or isinstance(reader, clib.ChannelReader):
-            return self.get_event
-        return reader.next_cq
+        return self.get_event if self._compiled is None else self._compiled.next_cq
 
     def close(self) -> None:
         if self._closed:
@@ -141,8 +142,8 @@ class IbvCompChannel(CompChannel):
         except self._pv.Error as exc:
             raise self._ctx._error(exc, "ibv_destroy_comp_channel") from None
         self._closed = True
-        if self._reader is not None and not isinstance(self._reader, clib.ChannelReader):
-            self._reader.close()  # (its struct is gone: next_cq and get read nothing)
+        if self._compiled is not None:
+            self._compiled.close()  # (its struct is gone: next_cq and get read nothing)
         self._ctx._children.discard(self)
 
     def __repr__(self) -> str:
