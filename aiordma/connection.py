@@ -67,6 +67,7 @@ from .protocol.handshake import (
     encode_hello,
     encode_ready,
 )
+from .tcp_backoff import cap_backoff
 
 log = logging.getLogger("aiordma")
 
@@ -87,6 +88,7 @@ def _keepalive(writer: asyncio.StreamWriter) -> None:
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        cap_backoff(sock)  # the heartbeat's PINGs ride on it
         if hasattr(socket, "TCP_KEEPIDLE"):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 10)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 5)

@@ -12,6 +12,7 @@ PKG = pathlib.Path(__file__).resolve().parent.parent / "aiordma"
 # layer (leaf modules such as errors are layer 0).
 LAYERS: dict[str, int] = {
     "errors": 0,
+    "tcp_backoff": 0,  # the cap of TCP's back-off (the soft device's and the setup connections)
     "native": 0,  # the build shim; build() imports its MODULES only when called
     "verbs": 1,
     "protocol": 1,

@@ -17,6 +17,7 @@ import socket
 from typing import TYPE_CHECKING
 
 from ...errors import RDMAError, fd_limit_error
+from ...tcp_backoff import cap_backoff
 from . import addr
 
 if TYPE_CHECKING:
@@ -29,9 +30,12 @@ UNIX_SOCKBUF = 4 << 20
 
 
 def tune(sock: socket.socket) -> None:
-    """Socket options of a device connection (TCP_NODELAY; large Unix buffers)."""
+    """Socket options of a device connection (TCP: TCP_NODELAY and the retransmission
+    back-off capped at 1 s, so that TCP resends within the QP's retry budget; Unix:
+    large buffers)."""
     if sock.family in (socket.AF_INET, socket.AF_INET6):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        cap_backoff(sock)
     elif sock.family == socket.AF_UNIX:
         for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
             try:
