@@ -97,8 +97,10 @@ class IbvCompChannel(CompChannel):
     def get_event(self) -> IbvCQ | None:
         if self._closed:
             return None
+        if self._compiled is not None:
+            return self._compiled.next_cq()
         reader = self._reader
-        if reader is not None:
+        if reader is not None:  # clib.ChannelReader: the same steps through ctypes
             while True:
                 try:
                     got = reader.get()

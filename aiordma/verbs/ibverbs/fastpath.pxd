@@ -79,3 +79,4 @@ cdef class ChannelEvents:
     cdef ibv_get_cq_event_fn get_fn
     cdef ibv_ack_cq_events_fn ack_fn
     cdef dict cqs                # for next_cq: the channel's IbvCQs by token (attach)
+    cdef int _read(self, ibv_cq **cq, void **ctx) except -1

@@ -509,23 +509,30 @@ cdef class ChannelEvents:
         self.get_fn = <ibv_get_cq_event_fn>get_fn
         self.ack_fn = <ibv_ack_cq_events_fn>ack_fn
 
-    def get(self):
-        """``(struct ibv_cq *, cq_context)`` of the next event; None when none is queued
-        (the channel's fd is non-blocking) or once closed. Raises OSError for a failure
-        other than EAGAIN (EINTR is retried)."""
-        cdef ibv_cq *cq = NULL
-        cdef void *ctx = NULL
-        cdef int rc, err
+    cdef int _read(self, ibv_cq **cq, void **ctx) except -1:
+        """1 with the next event in ``cq`` and ``ctx``; 0 when none is queued (the
+        channel's fd is non-blocking) or once closed. Raises RDMAError (an OSError) for
+        a failure other than EAGAIN (EINTR is retried)."""
+        cdef int err
         while self.channel != NULL:
-            rc = self.get_fn(self.channel, &cq, &ctx)
-            if rc == 0:
-                return <uintptr_t>cq, <uintptr_t>ctx
+            if self.get_fn(self.channel, cq, ctx) == 0:
+                return 1
             err = errno
             if err == EINTR:
                 continue
             if err == EAGAIN or err == EWOULDBLOCK:
-                return None
-            raise OSError(err, f"ibv_get_cq_event: {_errno_name(err)}")
+                return 0
+            raise RDMAError(err or EIO, f"ibv_get_cq_event: {_errno_name(err)}")
+        return 0
+
+    def get(self):
+        """``(struct ibv_cq *, cq_context)`` of the next event; None when none is queued
+        (the channel's fd is non-blocking) or once closed. Raises RDMAError (an OSError)
+        for a failure other than EAGAIN (EINTR is retried)."""
+        cdef ibv_cq *cq = NULL
+        cdef void *ctx = NULL
+        if self._read(&cq, &ctx):
+            return <uintptr_t>cq, <uintptr_t>ctx
         return None
 
     def attach(self, dict cqs):
@@ -548,23 +555,14 @@ cdef class ChannelEvents:
         than EAGAIN (EINTR is retried)."""
         cdef ibv_cq *cq = NULL
         cdef void *ctx = NULL
-        cdef int rc, err
-        while self.channel != NULL:
-            rc = self.get_fn(self.channel, &cq, &ctx)
-            if rc == 0:
-                owner = None if self.cqs is None else self.cqs.get(<uintptr_t>ctx)
-                if owner is None:
-                    self.ack_fn(cq, 1)
-                    continue
-                owner._cq_ptr = <uintptr_t>cq
-                owner._events_got += 1
-                return owner
-            err = errno
-            if err == EINTR:
+        while self._read(&cq, &ctx):
+            owner = None if self.cqs is None else self.cqs.get(<uintptr_t>ctx)
+            if owner is None:
+                self.ack_fn(cq, 1)
                 continue
-            if err == EAGAIN or err == EWOULDBLOCK:
-                return None
-            raise RDMAError(err or EIO, f"ibv_get_cq_event: {_errno_name(err)}")
+            owner._cq_ptr = <uintptr_t>cq
+            owner._events_got += 1
+            return owner
         return None
 
     def ack(self, uintptr_t cq_ptr, unsigned int n):
