@@ -99,9 +99,19 @@ class Peer:
         self.proc.stdin.flush()
         return self.until(lambda e: e.get("event") == answer, timeout, f"answer to {cmd}")
 
+    def drain(self, timeout: float) -> list[dict[str, Any]]:
+        """Every event that comes within ``timeout`` s (at most 1000): what a peer said
+        before a failure elsewhere, for the failure's message."""
+        deadline = time.monotonic() + timeout
+        for _ in range(1000):
+            if self.line(max(0.0, deadline - time.monotonic())) is None:
+                break
+        return self.events
+
     def finish(self, timeout: float) -> dict[str, Any]:
         """Wait for the exit of a one-shot scenario: its last event (``ok``)."""
         ev = self.until(lambda e: "ok" in e, timeout, "the scenario's result")
+        assert ev["ok"], f"the scenario failed: {ev}"
         self.proc.wait(timeout)
         assert self.proc.returncode == 0, f"exit status {self.proc.returncode}"
         return ev

@@ -367,7 +367,13 @@ def main() -> None:
     p.add_argument("--liveness", default=None)
     p.add_argument("--ack-timeout", type=int, default=None)
     a = p.parse_args()
-    asyncio.run({"serve": serve, "api": api, "traffic": traffic, "hold": hold}[a.mode](a))
+    t0 = time.monotonic()
+    try:
+        asyncio.run({"serve": serve, "api": api, "traffic": traffic, "hold": hold}[a.mode](a))
+    except Exception as exc:  # a one-shot scenario failed: say so at once, then exit
+        emit(ok=False, error=_name(exc), cause=_name(exc.__cause__), detail=str(exc),
+             seconds=time.monotonic() - t0)
+        raise
 
 
 if __name__ == "__main__":

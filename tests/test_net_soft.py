@@ -58,6 +58,8 @@ def test_traffic_exactly_once_in_order_under(net: NetPair, server: Peer, fault: 
     c = client(net, "traffic", "--bytes", str(AMOUNT.get(fault, 8 * MiB)))
     try:
         res = c.finish(T)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; the server's events: {server.drain(1.0)}") from None
     finally:
         c.close()
     after = {s: net.tcp_counters(s) for s in ("a", "b")}
