@@ -62,6 +62,22 @@ def test_device_connections_are_capped() -> None:
 
 
 @pytest.mark.skipif(not CAPS, reason="the kernel has no TCP_RTO_MAX_MS (Linux < 6.15)")
+def test_a_dialed_device_connection_is_capped_from_its_syn() -> None:
+    class Engine:
+        unix_listener = None  # no same-host Unix socket: TCP
+        limit_logged = False
+
+    with socket.socket() as ls:
+        ls.bind(("127.0.0.1", 0))
+        ls.listen()
+        gid = socket.inet_pton(socket.AF_INET6, "::ffff:127.0.0.1")
+        s, sa, err = dial.open_socket(Engine(), gid, ls.getsockname()[1])  # type: ignore[arg-type]
+        with s:
+            assert s.family == socket.AF_INET and sa == ls.getsockname()
+            assert _rto_max(s) == tcp_backoff.RTO_MAX_MS
+
+
+@pytest.mark.skipif(not CAPS, reason="the kernel has no TCP_RTO_MAX_MS (Linux < 6.15)")
 def test_the_setup_connection_is_capped() -> None:
     class Writer:
         def __init__(self, sock: socket.socket) -> None:

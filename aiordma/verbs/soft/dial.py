@@ -75,6 +75,7 @@ def open_socket(engine: Engine, gid: bytes, port: int) -> tuple[socket.socket, t
     except (OSError, ValueError) as exc:
         raise _socket_error(engine, exc) from exc
     sock.setblocking(False)
+    cap_backoff(sock)  # before the SYN: its retransmissions back off the same way
     try:
         return sock, sa, sock.connect_ex(sa)
     except OSError as exc:  # pragma: no cover - connect_ex reports errors as values
