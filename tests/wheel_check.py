@@ -71,6 +71,7 @@ def check_archives(dist: pathlib.Path) -> None:
         members = {m.name.split("/", 1)[1] for m in tar.getmembers() if "/" in m.name}
     for want in ("LICENSE", "README.md", "aiordma/py.typed", "examples/echo_pair.py",
                  "aiordma/verbs/soft/core_conn.pxi",
+                 "aiordma/verbs/ibverbs/fastpath_completions.pxi",
                  "docs/design.md", "tests/conftest.py"):
         if want not in members:
             fail(f"the sdist has no {want}")

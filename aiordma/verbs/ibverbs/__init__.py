@@ -12,8 +12,10 @@ importing it never fails; without pyverbs, ``PROVIDER.list_devices()``/``open()`
 * ``cq``       -- ``IbvCQ``: polling, completion accounting;
 * ``qp``       -- ``IbvQP``: state changes and posts;
 * ``pyverbs_wrs`` -- work requests as pyverbs objects, where the compiled path is not used;
-* ``fastpath`` -- the compiled data path (Cython: ``fastpath.pyx``, its C-level
-  interface ``fastpath.pxd``, verbs.h's part in ``libibverbs.pxd``);
+* ``fastpath`` -- the compiled data path (Cython: ``fastpath.pyx`` posts,
+  ``fastpath_completions.pxi`` polls and reads channel events, ``fastpath_cops.pxi``
+  is the C-level interface declared in ``fastpath.pxd``; verbs.h's part in
+  ``libibverbs.pxd``);
 * ``queues``   -- ``WorkQueues``: a QP's outstanding work requests, counted as hardware
   counts them (Cython, ``queues.pyx``; no system header needed);
 * ``loader``   -- pyverbs imported lazily, and what its version can do;
