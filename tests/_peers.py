@@ -111,7 +111,13 @@ class Peer:
     def finish(self, timeout: float) -> dict[str, Any]:
         """Wait for the exit of a one-shot scenario: its last event (``ok``)."""
         ev = self.until(lambda e: "ok" in e, timeout, "the scenario's result")
-        assert ev["ok"], f"the scenario failed: {ev}"
+        if not ev["ok"]:
+            try:  # it exits; one that hangs dumps its threads' stacks (net_peer.py)
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                pass
+            raise AssertionError(f"the scenario failed: {ev}; exit status "
+                                 f"{self.proc.poll()} (None: it hung on its way out)")
         self.proc.wait(timeout)
         assert self.proc.returncode == 0, f"exit status {self.proc.returncode}"
         return ev

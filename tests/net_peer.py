@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import json
 import os
 import random
@@ -56,6 +57,7 @@ import aiordma  # noqa: E402
 
 T = 120.0  # bound of any single wait
 LIMIT = 10_000_000  # bound of any loop's count (each is also bounded in time: T a wait)
+EXIT_WATCH_S = 15.0  # a failed scenario's process still alive this long after: stacks dumped
 KiB = 1024
 MiB = 1024 * KiB
 
@@ -373,6 +375,8 @@ def main() -> None:
     except Exception as exc:  # a one-shot scenario failed: say so at once, then exit
         emit(ok=False, error=_name(exc), cause=_name(exc.__cause__), detail=str(exc),
              seconds=time.monotonic() - t0)
+        # an exit that hangs prints every thread's stack to stderr, then ends the process
+        faulthandler.dump_traceback_later(EXIT_WATCH_S, exit=True)
         raise
 
 
