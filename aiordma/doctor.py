@@ -38,7 +38,7 @@ import time
 
 import aiordma
 
-from . import native
+from . import native, tcp_backoff
 from .errors import ConnectionClosed, RDMAError
 from .memory import RemoteBuffer
 from .transport import Endpoint, connect, listen
@@ -156,6 +156,17 @@ def ptrace() -> Finding:
                            "it only towards child processes)")
 
 
+def tcp_retransmissions() -> Finding:
+    """Whether aiordma's TCP connections get their retransmission back-off capped."""
+    if tcp_backoff.available():
+        return Finding("info", f"TCP retransmission back-off: capped at "
+                               f"{tcp_backoff.RTO_MAX_MS} ms on aiordma's connections")
+    return Finding("info", "TCP retransmission back-off: the system's (the kernel refuses "
+                           "TCP_RTO_MAX_MS, Linux 6.15+): on a lossy link soft's retries and "
+                           "the heartbeat wait out TCP's doubling; raise ack_timeout and "
+                           "liveness_timeout there")
+
+
 async def _ping_pong(provider: str, dev: str, host: str) -> str:
     memory = bytearray(REGION_SIZE + 8)
 
@@ -244,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
                 targets.append((name, d.name, "127.0.0.1" if name == "soft" else a.host or addr))
     findings.append(memlock(any(t[0] == "verbs" for t in targets)))
     findings.append(ptrace())
+    findings.append(tcp_retransmissions())
     for name, dev, host in targets:
         if host is None:
             findings.append(Finding("warn", f"loopback {name} ({dev}): no IPv4 GID on an "

@@ -41,3 +41,12 @@ def cap_backoff(sock: socket.socket) -> bool:
     except OSError:
         return False
     return True
+
+
+def available() -> bool:
+    """True when this kernel caps a TCP socket's back-off (``cap_backoff`` would)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            return cap_backoff(s)
+    except OSError:  # no socket at all: nothing to cap
+        return False

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from aiordma import connection, tcp_backoff
+from aiordma import connection, doctor, tcp_backoff
 from aiordma.verbs.soft import dial
 
 
@@ -51,6 +51,14 @@ def test_a_refused_option_is_no_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(tcp_backoff, "TCP_RTO_MAX_MS", 0x7FFF)  # no such option
     with socket.socket() as s:
         assert tcp_backoff.cap_backoff(s) is False
+
+
+def test_doctor_says_which_back_off_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert tcp_backoff.available() is CAPS
+    assert ("capped at 1000 ms" in doctor.tcp_retransmissions().text) is CAPS
+    monkeypatch.setattr(tcp_backoff, "TCP_RTO_MAX_MS", 0x7FFF)  # no such option
+    assert tcp_backoff.available() is False
+    assert "the system's" in doctor.tcp_retransmissions().text
 
 
 @pytest.mark.skipif(not CAPS, reason="the kernel has no TCP_RTO_MAX_MS (Linux < 6.15)")
