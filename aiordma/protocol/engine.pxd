@@ -131,7 +131,6 @@ cdef class Sender:
     cdef public long work_requests_posted
     cdef c_send_wr_t *_cwrs      # the C path's chain (the send queue's depth of them)
     cdef uint64_t _wr_seq
-    cdef int on_wc_c(self, const c_wc_t *wc) except -1
     cdef int _post_c(self, list batch, int last) except -1
     cdef int _post_marker_c(self) except -1
     cdef int kick_c(self) except -1
@@ -139,7 +138,6 @@ cdef class Sender:
     cdef int _post(self, list batch) except -1
     cdef object _frame_wr(self, Op op, int nbytes)
     cdef int _build_data(self, Op op) except -1
-    cdef int finish_c(self, Op op, object wc, object exc) except -1
     cdef Op queue_data_c(self, object fut, object payload)
 
 

@@ -12,7 +12,8 @@ Python one):
 * ``engine_framing``  -- the 8-byte frame header of every SEND: writers and the parser
 * ``engine_ops``      -- ``Op`` and ``Rx``: the records of operations and received messages
 * ``engine_sendq``    -- ``SendQueue``: send-queue accounting with selective signaling
-* ``engine_sender``   -- ``Sender``: the send queues, what to post when, send completions
+* ``engine_sender``   -- ``Sender``: the send queues, what to post when, the frames
+* ``engine_sent``     -- what a send completion finishes (the Sender's completions)
 * ``engine_receiver`` -- ``Receiver``: receive buffers, frames, messages, rendezvous reads
 * ``engine_core``     -- ``EnginePort`` (what the engine asks of its driver) and
   ``MessageEngine`` (state, credits, the single failure path)
@@ -80,5 +81,6 @@ include "engine_ops.pxi"
 include "engine_sendq.pxi"
 include "engine_core.pxi"
 include "engine_sender.pxi"
+include "engine_sent.pxi"
 include "engine_receiver.pxi"
 include "engine_cpath.pxi"

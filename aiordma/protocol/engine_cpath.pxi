@@ -85,7 +85,7 @@ def poll_dispatch(cq, ops, dict engines, int budget, other, report):
                 if wc.wr_id & WR_RECV_C:
                     eng.rx.on_wc_c(wc, <int>(wc.wr_id & <uint64_t>0xFFFFFFFF))
                 else:
-                    eng.tx.on_wc_c(wc)
+                    sent_wc_c(eng.tx, wc)
             else:
                 other(make_wc(wc))
         except Exception as exc:  # a bug in a handler must not stop the dispatch

@@ -1,6 +1,6 @@
 # The send side of the message engine (included by engine.pyx): queued operations,
-# what to post when, the frames, and what each send completion finishes.
-#
+# what to post when, and the frames. What each send completion finishes is in
+# engine_sent.pxi.
 #
 # Three queues feed the send queue of the QP, in this order at every pump: control
 # frames (CLOSE, RNDV_DONE, CREDIT), one-sided work (READ, WRITE, atomics, the READs of
@@ -304,7 +304,7 @@ cdef class Sender:
             for wr in wrs:
                 port.drop_send_id(wr.wr_id)
             for _wr_id, op in self.sq.drain():
-                self.finish_c(op, None, exc)
+                sent_finish(self, op, None, exc)
             e.fail(exc)
             return 0
         for i in range(len(batch)):
@@ -363,7 +363,7 @@ cdef class Sender:
             e._qp_ops.post_send(e._qp, self._cwrs, n)
         except RDMAError as exc:
             for _wr_id, op in self.sq.drain():
-                self.finish_c(op, None, exc)
+                sent_finish(self, op, None, exc)
             e.fail(exc)
             return 0
         for i in range(n):
@@ -390,41 +390,6 @@ cdef class Sender:
             return 0
         self.work_requests_posted += 1
         self.sq.push_c(w.wr_id, Op(K_CTRL, None, payload=(FrameType.CREDIT, 0)), True, 0)
-        return 0
-
-    cdef int on_wc_c(self, const c_wc_t *wc) except -1:
-        """``on_wc`` for a completion as a C struct (a failed one goes through ``on_wc``
-        as a ``WC``)."""
-        cdef SendQueue sq = self.sq
-        cdef int k, i
-        cdef uint64_t entry_id
-        cdef MessageEngine e = self.e
-        cdef Op op
-        if wc.status != WC_SUCCESS_:
-            self.on_wc(make_wc(wc))
-            return 0
-        k = sq.count_to(wc.wr_id)
-        if not k:
-            self.in_tick = False
-            return 0
-        if k == 1:
-            op = sq.pop_c(&entry_id)
-            self.in_tick = op.kind == K_BATCH
-            self.finish_c(op, None, None)
-        else:
-            entries = []
-            for i in range(k):
-                entries.append(sq.pop_c(&entry_id))
-            self.in_tick = True
-            for op in entries:
-                self.finish_c(op, None, None)
-        port = e.port
-        if e.state.failed:
-            port.check_drained()
-        elif self.sendq or self.oneq or self.ctrlq:
-            self.pump_c()
-        if e.close_watch:
-            port.maybe_closed()
         return 0
 
     def queue_data(self, fut, payload):
@@ -460,99 +425,12 @@ cdef class Sender:
     # ---------------------------------------------------------------- completions
     def on_wc(self, wc, _arg=None):
         """A send completion (the provider's ``WC``): the reactor's handler of every
-        send work request."""
-        cdef SendQueue sq = self.sq
-        cdef int k = sq.count_to(wc.wr_id), i
-        cdef uint64_t entry_id
-        cdef MessageEngine e = self.e
-        cdef Op op
-        if not k:
-            self.in_tick = False
-            return
-        # One finished send (a round trip): the next one may go at once. Several (a
-        # window of senders wakes up): what they send next is batched at the end of
-        # the iteration instead of the first going alone.
-        port = e.port
-        if k == 1:
-            op = sq.pop_c(&entry_id)
-            self.in_tick = op.kind == K_BATCH
-            self.finish_c(op, wc, None)
-        else:
-            # (taken off first: finishing one may post, or fail and drain the queue)
-            entries = []
-            for i in range(k):
-                op = sq.pop_c(&entry_id)
-                entries.append((entry_id, op))
-            self.in_tick = True
-            for i in range(k - 1):
-                entry_id, op = entries[i]
-                port.drop_send_id(entry_id)
-                self.finish_c(op, None, None)
-            self.finish_c(entries[k - 1][1], wc, None)
-        if e.state.failed:
-            port.check_drained()
-        elif self.sendq or self.oneq or self.ctrlq:
-            self.pump_c()
-        if e.close_watch:
-            port.maybe_closed()
+        send work request (engine_sent.pxi)."""
+        sent_wc(self, wc)
 
     def finish(self, Op op, wc, exc):
         """Complete ``op``: ``wc`` None means an unsignaled success; ``exc`` a local error."""
-        self.finish_c(op, wc, exc)
-
-    cdef int finish_c(self, Op op, object wc, object exc) except -1:
-        cdef Slots spool = self.spool
-        cdef Op m
-        cdef int slot
-        cdef bint ok = wc is None or wc.status == WC_SUCCESS_
-        old = 0
-        if op.slot is not None:
-            slot = op.slot
-            if op.kind == K_ATOMIC and exc is None and ok:
-                old = _get64(spool.ptr(slot))
-            spool.release_c(slot)
-            op.slot = None
-        if exc is None and not ok:
-            exc = self._op_error(wc)
-        fut = op.fut
-        if op.kind == K_BATCH:
-            for m in op.payload:
-                if m.fut is None:
-                    continue
-                if exc is None:
-                    resolve_c(m.fut, None)
-                elif not m.fut.done():
-                    m.fut.set_exception(exc)
-            return 0
-        if op.kind == K_RNDV:
-            if exc is not None:
-                self.rndv_out.pop(op.msg_id, None)
-                self.e.port.release_source(op.payload)
-                if fut is not None and not fut.done():
-                    fut.set_exception(exc)
-            return 0  # success: the user's waiter completes on RNDV_DONE
-        if fut is None:
-            return 0
-        if exc is None:
-            resolve_c(fut, old if op.kind == K_ATOMIC else None)
-        elif not fut.done():
-            fut.set_exception(exc)
-        return 0
-
-    def _op_error(self, wc):
-        """The exception for an op whose completion failed; fails the connection."""
-        e = self.e
-        err = completion_error(wc.status, vendor_err=wc.vendor_err, wr_id=wc.wr_id,
-                               opcode=wc.opcode)
-        if wc.status == WC_FLUSHED_:
-            if not e.state.failed:
-                e.fail(err)
-            return e.closed_error()
-        first = e.first_error is None
-        e.fail(err)
-        if int(wc.status) in (WC_RETRY_EXC_, WC_RNR_RETRY_EXC_) or not first:
-            return e.closed_error()
-        return err
+        sent_finish(self, op, wc, exc)
 
     # ---------------------------------------------------------------- failure
     def posted_ops(self):

@@ -235,15 +235,8 @@ cdef class Conn:
     cdef Py_ssize_t _write(self, list bufs) except -2
     cdef void _broken(self)
     cdef void update_sel(self)
-    cdef int _read_input(self) except -1
     cdef int on_readable_c(self) except -1
     cdef bint cma_ready_c(self) except -1
-    cdef bint _fill(self) except -1
-    cdef void _take_stage(self) except *
-    cdef void _give_stage(self) noexcept
-    cdef Py_ssize_t _feed(self, Py_ssize_t start, Py_ssize_t end) noexcept
-    cdef void _sink_clear(self)
-    cdef int _finish_sink(self) except -1
     cdef void _cma_control(self, const hdr_t *h) except *
 
 

@@ -9,12 +9,14 @@ change each; ``_core.pxd`` declares their C-level interface):
 * ``core_mr``        -- ``SoftMR`` and the device's ``KeyTable`` (lkey/rkey -> MR)
 * ``core_cq``        -- ``SoftCQ`` (a C ring of completions) and ``SoftCompChannel``
                         (manual progress: the loop moves the bytes)
-* ``core_conn``      -- ``Conn``: one connection's output (writev) and input parser
 * ``core_sink``      -- where a payload goes: the connection's sink, C segments of MRs
+* ``core_conn``      -- ``Conn``: one connection's socket, output (writev) and life
+* ``core_input``     -- a connection's input: staging buffers and the read loop (parser)
 * ``core_qpcore``    -- the QP's queues as C rings, completions, local memory, errors
 * ``core_requester`` -- transmit, responses, RNR go-back-N, the local ACK timer
 * ``core_responder`` -- request execution (SEND/WRITE/READ/atomics), NAKs, coalesced ACKs
 * ``core_qp``        -- the public QP: modify, post_send/post_recv, close
+* ``core_post``      -- a post's checks, send WQEs from work requests, the C entry points
 
 The control path (the NIC thread, admission, outgoing connections, CMA copies, the
 context) stays in Python (``engine``, ``admission``, ``dial``, ``cma``, ``context``) and
@@ -180,7 +182,9 @@ include "core_mr.pxi"
 include "core_cq.pxi"
 include "core_sink.pxi"
 include "core_conn.pxi"
+include "core_input.pxi"
 include "core_qpcore.pxi"
 include "core_requester.pxi"
 include "core_responder.pxi"
 include "core_qp.pxi"
+include "core_post.pxi"

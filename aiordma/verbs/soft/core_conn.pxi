@@ -1,4 +1,4 @@
-# One connection of the soft device: its output and its input parser (included by
+# One connection of the soft device: its socket, its output and its life (included by
 # _core.pyx).
 #
 # Threading: a connection has a *driver*: the NIC thread (``driver is None``: the socket
@@ -11,15 +11,12 @@
 # kernel does not take is queued as Python objects (``out``: bytes, or slices of the
 # MR it came from) and the driver is asked to finish it.
 #
-# Input: bytes are read into a staging buffer and parsed there (the buffer is borrowed
-# from the process's small pool while bytes are staged and given back when all are
-# parsed, so an idle or closed connection holds none); a payload goes to the sink
-# (core_sink.pxi). Bytes of a payload that arrived together with its header are copied
-# from staging; the rest of a large payload is received straight into its destination
-# with the device lock released. A sink's job (a same-host CMA copy, ``cma``) runs once
-# its bytes are in, with the device lock released, before its done action; the
-# connection reads nothing else meanwhile, so requests still execute one after the
-# other, in order.
+# Input is read and parsed by core_input.pxi (staging) into the sink (core_sink.pxi).
+# Bytes of a payload that arrived together with its header are copied from staging; the
+# rest of a large payload is received straight into its destination with the device
+# lock released. A sink's job (a same-host CMA copy, ``cma``) runs once its bytes are
+# in, with the device lock released, before its done action; the connection reads
+# nothing else meanwhile, so requests still execute one after the other, in order.
 #
 # CMA state (``cma``, requester side): UNKNOWN until the first request on an open Unix
 # connection sends the probe (PROBING); the answer sets ON or OFF for the connection's
@@ -29,10 +26,7 @@ import functools
 from itertools import islice
 
 cdef enum:
-    READ_BUDGET = 8 * 1024 * 1024
     IOV_CHUNK = 64
-    #: staging buffers the process keeps for its connections to borrow
-    STAGE_POOL = 4
 
 CONNECTING = 0
 OPEN = 1
@@ -53,15 +47,6 @@ cdef enum:
     C_CMA_OFF = 3
 
 CLOSE_LINGER_S = 2.0
-
-cdef unsigned char *_stage_pool[STAGE_POOL]
-cdef int _stage_free = 0
-
-
-def staging_pooled():
-    """How many staging buffers the process's pool keeps for connections to borrow."""
-    return _stage_free
-
 
 cdef class Conn:
     """A TCP (or Unix) connection carrying soft-device messages (see ``wire``)."""
@@ -102,7 +87,7 @@ cdef class Conn:
         for i in range(self._sink_nsegs):
             if self._sink_segs[i].mr != NULL:
                 (<SoftMR>self._sink_segs[i].mr).unpin()
-        self._give_stage()
+        stage_give(self)
 
     def __repr__(self):
         return f"<Conn state={self.state} fd={self.fd} peer={self.peer}>"
@@ -360,8 +345,8 @@ cdef class Conn:
         self.out.clear()
         self._maps = None  # unmapped once no copy uses them
         if not self._busy:  # (else the reading thread, which may be receiving into the
-            self._sink_clear()  # sink's memory with the lock released, does it)
-            self._give_stage()
+            sink_clear(self)  # sink's memory with the lock released, does it)
+            stage_give(self)
         self.engine.conns.discard(self)
         if self._sel_events:
             if self.driver is not None:
@@ -480,194 +465,16 @@ cdef class Conn:
                 return 0
             self._busy = True
             try:
-                self._read_input()
+                conn_read_input(self)
             finally:
                 self._busy = False
                 if self.state == C_CLOSED:
-                    self._sink_clear()
+                    sink_clear(self)
                 if self._rpos == self._wpos or self.state == C_CLOSED:
-                    self._give_stage()  # an idle connection holds no staging buffer
+                    stage_give(self)  # an idle connection holds no staging buffer
         finally:
             lock.release_c()
         return 0
-
-    cdef int _read_input(self) except -1:
-        """Lock held for the whole batch (one acquisition, not one per message), but
-        released while a large payload is received straight into its destination."""
-        cdef DeviceLock lock = self._lock
-        cdef Py_ssize_t budget = READ_BUDGET, n, want
-        cdef char *ptr
-        cdef hdr_t h
-        cdef int fd = self.fd
-        cdef SoftQP owner
-        if self.sock is None or fd < 0:
-            return 0
-        self._short = False  # a short read drained the socket: stop rather than hit EAGAIN
-        while self.reading and self.state == C_OPEN:
-            if self._sinking:
-                if self._rpos < self._wpos:
-                    self._rpos += self._feed(self._rpos, self._wpos)
-                elif self._sink_remaining >= DIRECT_MIN:
-                    if budget <= 0 or self._short:
-                        break
-                    if not sink_target(self, &ptr, &want):
-                        self._sink_discard = True
-                        continue
-                    lock.release_c()
-                    with nogil:
-                        n = recv(fd, ptr, want, MSG_DONTWAIT)
-                    lock.acquire_c()
-                    if n == 0:
-                        self.fail()
-                        return 0
-                    if n < 0:
-                        if errno == EAGAIN or errno == EINTR:
-                            break
-                        self.fail()
-                        return 0
-                    self._short = n < want
-                    sink_advance(self, n)
-                    budget -= n
-                else:
-                    if budget <= 0 or self._short or not self._fill():
-                        break
-                    budget -= STAGE_SIZE
-                    continue
-                if self._sink_remaining == 0:
-                    self._finish_sink()
-                continue
-            if self._wpos - self._rpos >= HDR_SIZE:
-                hdr_decode(self._stage + self._rpos, &h)
-                self._rpos += HDR_SIZE
-                if h.op >= OP_CMA_PROBE:
-                    self._cma_control(&h)
-                    continue
-                owner = self.owner
-                if owner is not None and self.state == C_OPEN:
-                    conn_header(owner, self, &h)
-                else:
-                    sink_discard(self, payload_len(&h))
-                if self._sinking and self._sink_remaining == 0:
-                    self._finish_sink()
-                continue
-            if budget <= 0 or self._short or not self._fill():
-                break
-            budget -= STAGE_SIZE
-        if budget != READ_BUDGET:  # bytes came in (the ACK timer's progress)
-            self.last_rx = monotonic()
-        owner = self.owner
-        if owner is not None and self.state == C_OPEN:
-            conn_batch_end(owner, self)
-        return 0
-
-    cdef Py_ssize_t _feed(self, Py_ssize_t start, Py_ssize_t end) noexcept:
-        """Copy staged bytes ``[start, end)`` into the sink; returns how many it took."""
-        cdef Py_ssize_t used = start, k
-        cdef char *ptr
-        cdef Py_ssize_t room
-        while end > used and self._sink_remaining:
-            if not sink_target(self, &ptr, &room):
-                self._sink_discard = True
-                continue
-            k = end - used
-            if k > room:
-                k = room
-            if not self._sink_discard:
-                memcpy(ptr, self._stage + used, k)
-            sink_advance(self, k)
-            used += k
-        return used - start
-
-    cdef void _sink_clear(self):
-        """Forget the sink (unpinning its memory)."""
-        cdef int i
-        for i in range(self._sink_nsegs):
-            if self._sink_segs[i].mr != NULL:
-                (<SoftMR>self._sink_segs[i].mr).unpin()
-        self._sink_nsegs = 0
-        self._sinking = False
-        self._done = D_NONE
-        self._d_job = None
-        self._d_call = None
-        self._d_keep = None
-        self._d_qp = None
-
-    cdef int _finish_sink(self) except -1:
-        """All of the sink's bytes are in: its job (lock released), then its done action
-        (lock held; its parameters stay in the ``_d_*`` C fields)."""
-        cdef DeviceLock lock
-        cdef int done = self._done
-        qp, job, call, keep = self._d_qp, self._d_job, self._d_call, self._d_keep
-        if job is not None:
-            lock = self._lock
-            lock.release_c()
-            try:
-                job()
-            finally:
-                lock.acquire_c()
-        self._sink_clear()
-        if done == D_SEND:
-            send_done(<SoftQP>qp, self)
-        elif done == D_WRITE:
-            write_done(<SoftQP>qp, self)
-        elif done == D_READ_RESP:
-            read_resp_done(<SoftQP>qp, self)
-        elif done == D_PY:
-            call()
-        return 0
-
-    cdef void _take_stage(self) except *:
-        """Borrow a staging buffer from the process's pool (lock held)."""
-        global _stage_free
-        if _stage_free:
-            _stage_free -= 1
-            self._stage = _stage_pool[_stage_free]
-        else:
-            self._stage = <unsigned char *>malloc(STAGE_SIZE)
-            if self._stage == NULL:
-                raise MemoryError()
-        self._rpos = self._wpos = 0
-
-    cdef void _give_stage(self) noexcept:
-        """Return the staging buffer (nothing staged, or closed; lock held): an idle or
-        closed connection holds none."""
-        global _stage_free
-        if self._stage == NULL:
-            return
-        if _stage_free < STAGE_POOL:
-            _stage_pool[_stage_free] = self._stage
-            _stage_free += 1
-        else:
-            free(self._stage)
-        self._stage = NULL
-        self._rpos = self._wpos = 0
-
-    cdef bint _fill(self) except -1:
-        """Read more into staging (lock held); False on EAGAIN, EOF or an error (the
-        last two fail the connection)."""
-        cdef Py_ssize_t n, room
-        if self._stage == NULL:
-            self._take_stage()
-        if self._rpos == self._wpos:
-            self._rpos = self._wpos = 0
-        elif STAGE_SIZE - self._wpos < DIRECT_MIN:
-            n = self._wpos - self._rpos
-            memmove(self._stage, self._stage + self._rpos, n)
-            self._rpos, self._wpos = 0, n
-        room = STAGE_SIZE - self._wpos
-        n = recv(self.fd, self._stage + self._wpos, room, MSG_DONTWAIT)
-        if n < 0:
-            if errno == EAGAIN or errno == EINTR:
-                return False
-            self.fail()
-            return False
-        if n == 0:
-            self.fail()  # input ended
-            return False
-        self._short = n < room
-        self._wpos += n
-        return True
-
 
 def start_connect(engine, Conn conn, sock, sa, int err):
     """NIC thread: adopt the socket ``dial.open_socket`` made for ``conn``."""

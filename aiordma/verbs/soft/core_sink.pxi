@@ -3,9 +3,9 @@
 # A header with a payload (a SEND, a WRITE, a READ response, a CMA request's iovec
 # records) sets its connection's sink: up to 33 C segments of registered memory (each
 # MR pinned while the sink holds it), or nowhere (``discard``). The parser copies staged
-# bytes into it (``_feed``), or receives the rest of a large payload straight into its
+# bytes into it (``sink_feed``), or receives the rest of a large payload straight into its
 # current segment; once all ``_sink_remaining`` bytes are in, the sink's job runs (a
-# CMA copy, device lock released) and then its done action (``_finish_sink``): one of
+# CMA copy, device lock released) and then its done action (``sink_finish``): one of
 # the responder's or requester's completions, named by ``_done`` with its parameters in
 # the ``_d_*`` fields (no closure object per packet).
 
@@ -91,3 +91,64 @@ cdef inline void sink_advance(Conn conn, Py_ssize_t n) noexcept:
     conn._sink_remaining -= n
     if not conn._sink_discard:
         conn._sink_off += n
+
+
+cdef Py_ssize_t sink_feed(Conn conn, Py_ssize_t start, Py_ssize_t end) noexcept:
+    """Copy staged bytes ``[start, end)`` into the sink; returns how many it took (at
+    most ``_sink_remaining``)."""
+    cdef Py_ssize_t used = start, k
+    cdef char *ptr
+    cdef Py_ssize_t room
+    while end > used and conn._sink_remaining:
+        if not sink_target(conn, &ptr, &room):
+            conn._sink_discard = True
+            continue
+        k = end - used
+        if k > room:
+            k = room
+        if not conn._sink_discard:
+            memcpy(ptr, conn._stage + used, k)
+        sink_advance(conn, k)
+        used += k
+    return used - start
+
+
+cdef void sink_clear(Conn conn):
+    """Forget the sink (unpinning its memory) and its done action."""
+    cdef int i
+    for i in range(conn._sink_nsegs):
+        if conn._sink_segs[i].mr != NULL:
+            (<SoftMR>conn._sink_segs[i].mr).unpin()
+    conn._sink_nsegs = 0
+    conn._sinking = False
+    conn._done = D_NONE
+    conn._d_job = None
+    conn._d_call = None
+    conn._d_keep = None
+    conn._d_qp = None
+
+
+cdef int sink_finish(Conn conn) except -1:
+    """All of the sink's bytes are in: its job (lock released), then, the sink cleared,
+    its done action (lock held; its parameters stay in the ``_d_*`` C fields). Raises
+    what the job or the action raises. Returns 0."""
+    cdef DeviceLock lock
+    cdef int done = conn._done
+    qp, job, call, keep = conn._d_qp, conn._d_job, conn._d_call, conn._d_keep
+    if job is not None:
+        lock = conn._lock
+        lock.release_c()
+        try:
+            job()
+        finally:
+            lock.acquire_c()
+    sink_clear(conn)
+    if done == D_SEND:
+        send_done(<SoftQP>qp, conn)
+    elif done == D_WRITE:
+        write_done(<SoftQP>qp, conn)
+    elif done == D_READ_RESP:
+        read_resp_done(<SoftQP>qp, conn)
+    elif done == D_PY:
+        call()
+    return 0
