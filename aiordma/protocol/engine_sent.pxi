@@ -33,14 +33,7 @@ cdef int sent_wc_c(Sender tx, const c_wc_t *wc) except -1:
         tx.in_tick = True
         for op in entries:
             sent_finish(tx, op, None, None)
-    port = e.port
-    if e.state.failed:
-        port.check_drained()
-    elif tx.sendq or tx.oneq or tx.ctrlq:
-        tx.pump_c()
-    if e.close_watch:
-        port.maybe_closed()
-    return 0
+    return sent_after(tx, e)
 
 
 cdef int sent_wc(Sender tx, object wc) except -1:
@@ -77,6 +70,14 @@ cdef int sent_wc(Sender tx, object wc) except -1:
             port.drop_send_id(entry_id)
             sent_finish(tx, op, None, None)
         sent_finish(tx, entries[k - 1][1], wc, None)
+    return sent_after(tx, e)
+
+
+cdef inline int sent_after(Sender tx, MessageEngine e) except -1:
+    """What follows the ops a completion finished: a failed connection's port learns
+    its send queue may be drained, else the sender posts what waits; then the port's
+    close watch looks. Returns 0."""
+    port = e.port
     if e.state.failed:
         port.check_drained()
     elif tx.sendq or tx.oneq or tx.ctrlq:
