@@ -46,7 +46,6 @@ from .options import EndpointOptions
 from .protocol.engine import (
     HANDSHAKE_FLAG_BATCH,
     RNDV,
-    RX_DATA,
     MessageEngine,
     Op,
     register_waiter_type,
@@ -113,6 +112,7 @@ class Endpoint:
         self._send_eager: Callable[[asyncio.Future[None], Any], Op | None] = (
             self._engine.send_eager)
         self._take_data: Callable[[], bytes | None] = self._engine.rx.take_data
+        self._take_into: Callable[[Any], int] = self._engine.rx.take_into
         self._rx: Any = self._engine.rx
         self._rxq: Any = self._engine.rx.rx  # the received messages (a deque, kept)
         self._life = Lifecycle(self, loop, self._engine, res, opts.close_timeout)
@@ -294,10 +294,8 @@ class Endpoint:
         """
         e = self._engine
         fut: asyncio.Future[None] = self._create_future()
-        cls = type(data)
         op: Op | None = None
-        if (cls is bytes or cls is bytearray or cls is memoryview) \
-                and self._life.closing is None:
+        if self._life.closing is None:
             op = self._send_eager(fut, data)  # the usual case: one call into the engine
         if op is None:
             op, n = self._queue_send(fut, data)
@@ -386,6 +384,13 @@ class Endpoint:
         READ. Raises TypeError for a read-only buffer, MessageTooLarge (message kept for
         the next receive) when it does not fit, ConnectionClosed as ``recv``.
         """
+        rx = self._rx
+        miss = None
+        if not self._rxq and self._reactor.in_place and not rx.receivers:
+            miss = self._rcv.wait_in_place()
+        n = self._take_into(buffer)  # already here, nobody queued before us: no await
+        if n >= 0:
+            return n
         try:
             out = memoryview(buffer)
         except TypeError:
@@ -395,19 +400,6 @@ class Endpoint:
             raise TypeError("recv_into needs a writable buffer")
         if out.ndim != 1 or out.format != "B":
             out = out.cast("B")
-        rx = self._engine.rx
-        rxq = rx.rx
-        miss = None
-        if not rxq and not rx.receivers and self._reactor.in_place:
-            miss = self._rcv.wait_in_place()
-        if rxq and not rx.receivers and not self._engine.state.failed:
-            m = rxq[0]
-            if m.kind == RX_DATA and m.length <= out.nbytes:
-                # already here, nobody queued before us: no lock, no await
-                n = m.length
-                out[:n] = rx.rpool.view[m.offset: m.offset + n]
-                rx.consume_data(m)
-                return n
         rx.receivers += 1
         try:
             n = await self._rcv.recv_into(out)

@@ -11,6 +11,7 @@ from _engine_sim import EAGER, Port, Waiter, Wire, make_engine
 
 from aiordma.errors import ConnectionClosed, RemoteAccessError
 from aiordma.protocol.engine import (
+    COPY_AT_SEND,
     DATA,
     RNDV,
     RX_DATA,
@@ -18,6 +19,7 @@ from aiordma.protocol.engine import (
     RX_RNDV,
     FrameType,
     Op,
+    batch_records,
     parse_frame,
     write_close,
     write_data_header,
@@ -32,7 +34,7 @@ def connected(depth: int = 16, **kw: object) -> tuple[object, ...]:
     """An engine whose peer posted ``depth`` receive buffers, as it does."""
     port = Port()
     e, spool, rpool = make_engine(port, recv_depth=depth, send_depth=depth, **kw)  # type: ignore[arg-type]
-    e.connect(peer_credits=depth, local_slots=depth, peer_eager=EAGER,
+    e.connect(peer_credits=depth, local_slots=depth, peer_eager=kw.get("eager", EAGER),
               peer_max_message=1 << 20, batching=True)
     return e, spool, rpool, port
 
@@ -81,6 +83,71 @@ def test_sends_of_one_iteration_share_a_batch_frame() -> None:
     assert first.done() and all(w.done() and w.exc is None for w in rest)
 
 
+def _batch_payloads(spool, wr) -> list[bytes]:  # type: ignore[no-untyped-def]
+    off = wr.sg_list[0].addr - spool.base
+    n = wr.sg_list[0].length
+    frame = bytes(spool.view[off: off + n])
+    f = parse_frame(frame, n, 1 << 20)
+    assert f.type == FrameType.BATCH
+    return [frame[o: o + ln] for o, ln in batch_records(frame, n, f.aux, 1 << 20)]
+
+
+def test_a_batch_frame_carries_every_payload_whole_in_order() -> None:
+    e, spool, _rpool, port = connected()
+    msgs = [b"first", b"", bytearray(b"x" * 40), memoryview(b"0123456789")[2:7], b"z" * 30]
+    waiters = []
+    for m in msgs:
+        w = Waiter()
+        assert e.send_eager(w, m) is not None
+        waiters.append(w)
+    port.turn()
+    assert _batch_payloads(spool, port.sends[1][0]) == [bytes(m) for m in msgs[1:]]
+    assert e.tx.messages_batched == 4
+
+
+def test_a_batch_takes_what_fits_one_frame_and_the_rest_follows() -> None:
+    e, spool, _rpool, port = connected()
+    big = EAGER - 8 - 2 * 4 - 20  # header, two records: room for a 20-byte payload more
+    waiters = [Waiter() for _ in range(4)]
+    assert e.send_eager(waiters[0], b"a") is not None  # posted at once
+    for w, m in zip(waiters[1:], (b"b" * big, b"c" * 20, b"d" * 21), strict=True):
+        assert e.send_eager(w, m) is not None
+    port.turn()
+    frames = [wr for chain in port.sends for wr in chain]
+    assert _batch_payloads(spool, frames[1]) == [b"b" * big, b"c" * 20]
+    f = frame_of(spool, frames[2])
+    assert f.type == FrameType.DATA and f.payload_len == 21
+
+
+def test_a_small_buffer_is_copied_when_queued_and_a_large_one_held_until_posted() -> None:
+    e, spool, _rpool, port = connected(eager=4096)
+    assert e.send_eager(Waiter(), b"first") is not None  # posted: the next ones queue
+    small = bytearray(b"s" * COPY_AT_SEND)
+    large = bytearray(b"L" * (COPY_AT_SEND + 1))
+    assert e.send_eager(Waiter(), small) is not None
+    assert e.send_eager(Waiter(), large) is not None
+    small[:] = b"changed"  # copied already: the caller may reuse it at once
+    with pytest.raises(BufferError):
+        large.append(0)  # held through a view until copied into the frame
+    port.turn()
+    assert _batch_payloads(spool, port.sends[1][0]) == [b"s" * COPY_AT_SEND,
+                                                       b"L" * (COPY_AT_SEND + 1)]
+    large.append(0)  # copied: free again
+
+
+def test_send_eager_queues_only_flat_byte_buffers_of_the_three_types() -> None:
+    e, _spool, _rpool, port = connected()
+    import array
+    for data in (bytearray(b"x" * (EAGER - 7)), "text", array.array("i", [1, 2]),
+                 memoryview(b"abcdef")[::2], memoryview(bytearray(8)).cast("i")):
+        assert e.send_eager(Waiter(), data) is None
+    assert not port.sends and not e.tx.sendq
+    released = memoryview(b"abc")
+    released.release()
+    with pytest.raises(ValueError):
+        e.send_eager(Waiter(), released)
+
+
 def test_sends_wait_for_credits_and_go_when_they_come_back() -> None:
     e, _spool, rpool, port = connected()
     waiters = []
@@ -108,6 +175,24 @@ def test_received_data_is_queued_and_buffers_come_back_in_batches() -> None:
     assert len(port.recvs) == reposted  # fewer than repost_batch (4) wait
     e.rx.consume_data(e.rx.rx[0])
     assert len(port.recvs) == reposted + 4 and e.credits.owed == 4  # type: ignore[union-attr]
+
+
+def test_take_into_copies_the_head_message_or_takes_nothing() -> None:
+    e, _spool, rpool, port = connected()
+    for i, slot in enumerate(list(port.recvs)[:2]):
+        recv_frame(e, rpool, port, slot,
+                   lambda buf, i=i: write_data_header(buf, 0, 5) + _put(buf, 8, b"msg-%d" % i))
+    out = bytearray(8)
+    assert e.rx.take_into(bytearray(4)) == -1  # does not fit: the caller raises
+    assert e.rx.take_into(b"readonly-buffer!") == -1  # not writable
+    assert e.rx.take_into("not a buffer") == -1
+    e.rx.receivers = 1  # a receive waits before us: it comes first
+    assert e.rx.take_into(out) == -1
+    e.rx.receivers = 0
+    assert len(e.rx.rx) == 2 and out == bytearray(8)  # nothing taken so far
+    assert e.rx.take_into(out) == 5 and out[:5] == b"msg-0"
+    assert e.rx.take_into(memoryview(out)[3:]) == 5 and out == b"msgmsg-1"
+    assert e.rx.take_into(out) == -1 and e.rx.messages_received == 2
 
 
 def test_close_is_eof_and_data_after_it_is_a_protocol_violation() -> None:

@@ -138,6 +138,7 @@ cdef class Sender:
     cdef int _post(self, list batch) except -1
     cdef object _frame_wr(self, Op op, int nbytes)
     cdef int _build_data(self, Op op) except -1
+    cdef Op _build_batch(self, Op first)
     cdef Op queue_data_c(self, object fut, object payload)
 
 

@@ -24,9 +24,9 @@ Without a build of it (a C compiler: ``pip install .``, ``make core``) aiordma c
 run: ``aiordma.native.build()`` says why it was not built.
 """
 
-from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
-from cpython.bytes cimport PyBytes_FromStringAndSize
-from cpython.memoryview cimport PyMemoryView_FromObject, PyMemoryView_GET_BUFFER
+from cpython.buffer cimport PyBUF_FULL_RO, PyBUF_SIMPLE, PyBUF_WRITABLE, PyBuffer_Release, PyObject_GetBuffer
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
+from cpython.memoryview cimport PyMemoryView_FromObject
 from cpython.pycapsule cimport PyCapsule_GetPointer
 from cpython.ref cimport Py_DECREF, Py_INCREF
 from libc.stdint cimport int64_t, uint8_t, uint16_t, uint32_t, uint64_t

@@ -14,6 +14,12 @@
 # The port (``EnginePort``) is all the engine knows of the outside; the sans-IO tests
 # drive the engine through a recording fake of it.
 
+COPY_AT_SEND = 1024
+"""``send_eager`` copies a payload up to this size (not bytes) when it is queued."""
+cdef enum:
+    C_COPY_AT_SEND = 1024
+
+
 def unexpected(exc):
     """True for a failure worth a warning: a failed operation or a protocol violation,
     not a close, an abort, a flush or the peer gone (retries exhausted)."""
@@ -154,32 +160,48 @@ cdef class MessageEngine:
         return self._qp_ops != NULL
 
     def send_eager(self, fut, data):
-        """Queue ``data`` (bytes, bytearray or memoryview) as a DATA message and post
-        what can go, where it may go eagerly now: connected, open for sending, at most
-        ``eager_payload`` bytes, and (a memoryview) one flat run of unsigned bytes
-        (format ``B``, contiguous). Returns its op (as ``Sender.queue_data``), or None
-        with nothing queued: the caller finds the precise error, casts the view, or
-        sends it by rendezvous. Raises ValueError for a released memoryview."""
+        """Queue ``data`` as a DATA message and post what can go, where it may go eagerly
+        now: ``data`` a bytes, bytearray or memoryview object (those exact types),
+        connected, open for sending, at most ``eager_payload`` bytes, and (a memoryview)
+        one flat run of unsigned bytes (format ``B``, contiguous). A payload of at most
+        ``COPY_AT_SEND`` bytes that is not bytes is copied into a bytes object now (a
+        small copy costs less than a view held on the caller's buffer until it is
+        posted); a larger one is held through a view of our own. Returns its op (as
+        ``Sender.queue_data``), or None with nothing queued: the caller finds the
+        precise error, casts the view, or sends it by rendezvous. Raises ValueError for
+        a released memoryview."""
         cdef Py_ssize_t n
-        cdef Py_buffer *view
+        cdef Py_buffer view
+        cdef bint flat
+        t = type(data)
         if self.credits is None or not self.state.can_send_c():
             return None
-        if type(data) is bytes:
-            payload = data  # immutable: held as it is
-            n = len(data)
+        if t is bytes:  # immutable: held as it is
+            n = PyBytes_GET_SIZE(data)
+            if n > self.eager_payload or n > self.max_message_size:
+                return None
+            return self.tx.queue_data_c(fut, data)
+        if t is not bytearray and t is not memoryview:
+            return None
+        PyObject_GetBuffer(data, &view, PyBUF_FULL_RO)
+        n = view.len
+        flat = view.ndim == 1 and view.itemsize == 1 and (
+            view.strides == NULL or view.strides[0] == 1) and (
+            view.format == NULL or (view.format[0] == b'B' and view.format[1] == 0))
+        if not flat or n > self.eager_payload or n > self.max_message_size:
+            PyBuffer_Release(&view)
+            return None
+        if n <= C_COPY_AT_SEND:
+            try:
+                payload = PyBytes_FromStringAndSize(<char *>view.buf, n)
+            finally:
+                PyBuffer_Release(&view)
         else:
+            PyBuffer_Release(&view)
             # A bytearray or a memoryview is held through a view of our own on its
             # buffer: the buffer cannot be resized until it is copied, whatever the
             # caller does with its own view (releasing it leaves ours).
             payload = PyMemoryView_FromObject(data)
-            view = PyMemoryView_GET_BUFFER(payload)
-            if view.ndim != 1 or view.itemsize != 1 or (
-                    view.strides != NULL and view.strides[0] != 1) or (
-                    view.format != NULL and (view.format[0] != b'B' or view.format[1] != 0)):
-                return None
-            n = view.len
-        if n > self.eager_payload or n > self.max_message_size:
-            return None
         return self.tx.queue_data_c(fut, payload)
 
     def use_qp(self, qp, ops):

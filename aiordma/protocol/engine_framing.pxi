@@ -113,6 +113,34 @@ cdef inline uint64_t _get64(const unsigned char *p) noexcept:
     return <uint64_t>_get32(p) | (<uint64_t>_get32(p + 4) << 32)
 
 
+cdef inline Py_ssize_t payload_len(object payload) except -1:
+    """The size in bytes of a queued DATA payload: bytes, or a flat view of unsigned
+    bytes (its length is its size); raises ValueError for a released view."""
+    if type(payload) is bytes:
+        return PyBytes_GET_SIZE(payload)
+    return len(payload)
+
+
+cdef inline Py_ssize_t payload_copy(object payload, unsigned char *dst,
+                                    Py_ssize_t room) except -2:
+    """Copy a queued DATA payload (as ``payload_len``) to ``dst``; returns its size,
+    or -1 (nothing copied) when it is over ``room`` bytes."""
+    cdef Py_buffer src
+    cdef Py_ssize_t n
+    if type(payload) is bytes:
+        n = PyBytes_GET_SIZE(payload)
+        if n > room:
+            return -1
+        memcpy(dst, PyBytes_AS_STRING(payload), n)
+        return n
+    PyObject_GetBuffer(payload, &src, PyBUF_SIMPLE)
+    n = src.len
+    if n <= room:
+        memcpy(dst, src.buf, n)
+    PyBuffer_Release(&src)
+    return n if n <= room else -1
+
+
 cdef inline void frame_write(unsigned char *p, int t, int flags, int credits,
                              uint32_t aux) noexcept:
     """The 8-byte header at ``p`` (the caller checked the ranges)."""

@@ -265,6 +265,36 @@ cdef class Receiver:
         self.consume_data_c(rx)
         return data
 
+    def take_into(self, buffer):
+        """Copy the next message into ``buffer`` when it is a DATA message already here
+        that fits, no receive is waiting and the connection has not failed (consumed:
+        its buffer goes back to the peer); returns its length. Returns -1 with nothing
+        taken otherwise, and for a ``buffer`` that is not one writable, contiguous run
+        of memory (the caller's checks then name the error)."""
+        cdef Rx rx
+        cdef Slots rpool = self.rpool
+        cdef Py_buffer dst
+        cdef Py_ssize_t n
+        if self.receivers or not self.rx or self.e.state.failed:
+            return -1
+        rx = self.rx[0]
+        if rx.kind != R_DATA:
+            return -1
+        if rpool.mem == NULL or rx.offset + rx.length > rpool._size:
+            raise ValueError("the receive buffers are gone")
+        try:
+            PyObject_GetBuffer(buffer, &dst, PyBUF_WRITABLE)
+        except Exception:
+            return -1
+        n = rx.length
+        if n > dst.len:
+            PyBuffer_Release(&dst)
+            return -1
+        memcpy(dst.buf, rpool.mem + rx.offset, n)
+        PyBuffer_Release(&dst)
+        self.consume_data_c(rx)
+        return n
+
     def consume_data(self, Rx rx):
         """The application took DATA message ``rx`` (the receive queue's head)."""
         self.consume_data_c(rx)

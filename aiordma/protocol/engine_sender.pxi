@@ -204,33 +204,53 @@ cdef class Sender:
         op.wr = self._frame_wr(op, C_HEADER_SIZE + n)
         return 0
 
-    def _build_batch(self, Op first):
+    cdef Op _build_batch(self, Op first):
         """Pack ``first`` and the DATA ops after it on the send queue that fit into one
         BATCH frame; returns the op to post (``first`` itself when only it fits)."""
         cdef Op op
+        cdef Op carrier
+        cdef Slots spool = self.spool
+        cdef list members
+        cdef Py_ssize_t room, n, off
+        cdef int slot
+        cdef unsigned char *p
         sendq = self.sendq
-        room = self.e.eager - HEADER_SIZE - BATCH_RECORD - len(first.payload)
+        room = self.e.eager - C_HEADER_SIZE - C_BATCH_RECORD - payload_len(first.payload)
         members = [first]
         while sendq:
             op = sendq[0]
             if op.kind != K_DATA:
                 break
-            room -= BATCH_RECORD + len(op.payload)
+            room -= C_BATCH_RECORD + payload_len(op.payload)
             if room < 0:
                 break
-            members.append(sendq.popleft())
+            members.append(self._sendq_popleft())
         if len(members) == 1:
             self._build_data(first)
             return first
-        credits = self.e.credits
-        self.messages_batched += len(members)
+        slot = spool.acquire_c()
+        if slot < 0:
+            raise RuntimeError("no send buffer (the pump checks)")
         carrier = Op(K_BATCH, None, payload=members)
-        slot = carrier.slot = self.spool.acquire()
-        buf = self.spool.slot(slot)
-        n = write_batch(buf, credits.take_piggyback(), [m.payload for m in members])
+        carrier.slot = slot
+        p = spool.ptr(slot)
+        off = C_HEADER_SIZE
+        for op in members:
+            n = payload_copy(op.payload, p + off + C_BATCH_RECORD,
+                             spool.slot_size - off - C_BATCH_RECORD)
+            if n < 0:
+                spool.release_c(slot)
+                carrier.slot = None
+                raise LocalProtocolError(
+                    f"a BATCH of {len(members)} messages does not fit a "
+                    f"{spool.slot_size}-byte send buffer")
+            _le32(p + off, <uint32_t>n)
+            off += C_BATCH_RECORD + n
+        frame_write(p, T_BATCH, 0, self.e.credits.take_piggyback_c(), <uint32_t>len(members))
+        self.messages_batched += len(members)
         for op in members:
             op.payload = None  # copied: the caller's buffer is free
-        carrier.wr = self._frame_wr(carrier, n)
+        carrier.wr = self._frame_wr(carrier, <int>off)
         return carrier
 
     def _build_rndv(self, Op op):
