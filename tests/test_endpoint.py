@@ -339,7 +339,9 @@ async def test_rendezvous_read_ahead(opts: dict) -> None:
     """Large messages are read ahead into staging while the application does not
     receive (the sender's send completes, up to ``rndv_prefetch`` bytes); while it
     receives, the waiting receiver's message is READ straight into its buffer and at
-    most ``min(rndv_prefetch, 4 MiB)`` of the ones behind it are read ahead meanwhile.
+    most ``min(rndv_prefetch, 4 MiB)`` of the ones behind it are read ahead meanwhile
+    on RDMA hardware; on ``soft`` (the receiving CPU copies every byte of a READ) none
+    are, and each following receive READs its message straight into its buffer.
     With ``rndv_prefetch=0`` nothing is staged: every READ lands in the caller's buffer."""
     big = [payload(300_000, i) for i in range(8)]
     async with pair(opts) as (ep, q):
@@ -351,6 +353,8 @@ async def test_rendezvous_read_ahead(opts: dict) -> None:
         for m in big[:3]:
             assert await asyncio.wait_for(srv.recv_into(buf), T) == len(m) and buf == m
         assert await asyncio.wait_for(_receive_while_sent(ep, srv, buf, big), T) == big
+        if srv.provider == "soft":
+            assert srv.statistics()["rndv_staged"] == 3  # none while receiving
 
     async with pair(opts, rndv_prefetch=0) as (ep, q):
         srv = await server_ep(q)

@@ -20,6 +20,7 @@ class SoftContext(Context):
     name = DEVICE_NAME
     provider = "soft"
     maps_shared_memory = True  # responder.py: READs into SharedMemory by memmove
+    reads_on_cpu = True  # the reader's device copies every byte (CMA, memmove, socket)
 
     def __init__(self) -> None:
         self._engine = engine.acquire()
