@@ -121,6 +121,17 @@ def atomic_op(fut, int opcode, uint64_t raddr, uint32_t rkey, uint64_t compare_a
     return op
 
 
+cdef inline Op new_op(int kind, object fut, object payload):
+    """An Op without the constructor's argument parsing (the data path's): as
+    ``Op(kind, fut, payload)``: no slot, WR or ``keep`` yet, msg_id 0, not posted."""
+    cdef Op op = Op.__new__(Op)
+    op.kind = kind
+    op.fut = fut
+    op.payload = payload
+    op.msg_id = 0
+    return op
+
+
 cdef object send_wr_of_op(Op op):
     """The ``SendWR`` of an ``rdma_op`` or ``atomic_op`` (the port path posts
     objects)."""

@@ -231,7 +231,7 @@ cdef class Sender:
         slot = spool.acquire_c()
         if slot < 0:
             raise RuntimeError("no send buffer (the pump checks)")
-        carrier = Op(K_BATCH, None, payload=members)
+        carrier = new_op(K_BATCH, None, members)
         carrier.slot = slot
         p = spool.ptr(slot)
         off = C_HEADER_SIZE
@@ -419,11 +419,7 @@ cdef class Sender:
         return self.queue_data_c(fut, payload)
 
     cdef Op queue_data_c(self, object fut, object payload):
-        cdef Op op = Op.__new__(Op)
-        op.kind = K_DATA
-        op.fut = fut
-        op.payload = payload
-        op.msg_id = 0
+        cdef Op op = new_op(K_DATA, fut, payload)
         self._sendq_append(op)
         self.kick_c()
         return op
