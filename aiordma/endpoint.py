@@ -58,10 +58,12 @@ from .resources import Resources
 from .verbs import Access, AsyncEvent, EventType
 
 _REMOTE_READ: Final = int(Access.REMOTE_READ)
-# Staging bytes read ahead while a receive is in progress: where the device moves the
-# bytes, READs behind the receiver's own keep the link busy meanwhile; where the reading
-# CPU moves them (``Context.reads_on_cpu``) none, as the staging copy would double
-# that CPU's work per byte (the receiver READs each one straight into its buffer).
+# Staging bytes read ahead while a receive is in progress (the engine's ``busy_ahead``),
+# READs behind the receiver's own that keep the link busy meanwhile. Where CPU copies move
+# a READ's bytes (``Context.reads_on_cpu``) none while the receiver READs straight into
+# its own buffer (``direct_ahead`` 0): each staged message would cost the receiving CPU
+# a copy in its receive's path for no overlap; a receive that needs staging anyway
+# (``recv()``) still has the messages behind it read ahead.
 _BUSY_READ_AHEAD: Final = 4 << 20
 
 # The engine resolves the endpoint's waiters (``loop.create_future()``: exactly an
@@ -109,8 +111,9 @@ class Endpoint:
             inline_cap=res.inline_cap, send_depth=res.send_depth,
             signal_interval=opts.signal_interval, signal_bytes=opts.signal_bytes,
             repost_batch=opts.repost_batch, rndv_prefetch=opts.rndv_prefetch,
-            busy_ahead=0 if device.ctx.reads_on_cpu else min(opts.rndv_prefetch,
-                                                              _BUSY_READ_AHEAD))
+            busy_ahead=min(opts.rndv_prefetch, _BUSY_READ_AHEAD),
+            direct_ahead=0 if device.ctx.reads_on_cpu else min(opts.rndv_prefetch,
+                                                                _BUSY_READ_AHEAD))
         # the per-message calls, bound once (a method looked up by name, or a bound
         # method made, at every call costs more than the call itself)
         self._create_future: Callable[[], asyncio.Future[Any]] = loop.create_future

@@ -71,9 +71,10 @@ class EndpointOptions:
       application is not receiving (like a TCP receive buffer); beyond it the sender
       waits for ``recv``. While a receive is in progress (its own message is READ
       straight into its buffer), at most ``min(rndv_prefetch, 4 MiB)`` of the ones
-      behind it are read ahead on RDMA hardware, none on ``soft`` (whose READs are
-      copies by the receiving CPU: the next receive READs its message straight into
-      its buffer). 0: nothing is staged, every READ waits for a receiver.
+      behind it are read ahead (on ``soft``, whose READs are CPU copies, only while
+      the receive in progress itself needs staging, as ``recv()`` does: a receive into
+      a registered buffer READs its message straight into it). 0: nothing is staged,
+      every READ waits for a receiver.
     * ``ack_timeout``/``retry_cnt``: the QP's local ACK timeout and retry count, with
       their verbs meaning: one try lasts ``4.096 us * 2**ack_timeout``, and
       ``retry_cnt + 1`` tries in a row without progress fail the connection with

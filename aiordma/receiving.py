@@ -217,10 +217,9 @@ class Receiving:
             if m.staging is None:
                 m.read = None  # landed in a cancelled caller's buffer: read again
         if m.read is None:
-            fut = rx.start_read(m, span)
-            # While it lands in the caller's buffer, read the next few messages (up to
-            # min(rndv_prefetch, 4 MiB)) into staging, so the READs overlap the
-            # application's work instead of one READ per receive call.
-            rx.read_ahead(rx.busy_ahead)
+            # While it lands, the next few messages are read into staging (within the
+            # budget of a receive in progress), so the READs overlap the application's
+            # work instead of one READ per receive call.
+            fut = rx.read_for_receiver(m, span)
             await uncancelled(fut)  # type: ignore[arg-type]
         return m.staging

@@ -340,8 +340,8 @@ async def test_rendezvous_read_ahead(opts: dict) -> None:
     receive (the sender's send completes, up to ``rndv_prefetch`` bytes); while it
     receives, the waiting receiver's message is READ straight into its buffer and at
     most ``min(rndv_prefetch, 4 MiB)`` of the ones behind it are read ahead meanwhile
-    on RDMA hardware; on ``soft`` (the receiving CPU copies every byte of a READ) none
-    are, and each following receive READs its message straight into its buffer.
+    on RDMA hardware; on ``soft`` (READs are CPU copies) none are while the receiver
+    READs straight into its own buffer.
     With ``rndv_prefetch=0`` nothing is staged: every READ lands in the caller's buffer."""
     big = [payload(300_000, i) for i in range(8)]
     async with pair(opts) as (ep, q):

@@ -252,6 +252,28 @@ def test_a_rendezvous_announcement_is_read_ahead_into_staging() -> None:
     assert port.staged[0].released
 
 
+def test_read_ahead_behind_a_receive_follows_where_its_own_read_went() -> None:
+    """While a receive is in progress the messages behind it are read ahead within
+    ``busy_ahead`` when its own READ went into staging, within ``direct_ahead`` when it
+    went straight into its buffer (here 0: nothing is staged behind it)."""
+    from aiordma.protocol.engine import write_rndv
+
+    e, _spool, rpool, port = connected(busy_ahead=1 << 16, direct_ahead=0)
+    e.rx.receivers = 1  # a receive is in progress (no READ of its own yet: direct assumed)
+    for i, slot in enumerate(list(port.recvs)[:4]):
+        recv_frame(e, rpool, port, slot,
+                   lambda buf, i=i: write_rndv(buf, 0, i, 5000, 0xA000 + i, 0x77))
+    first, second, third, fourth = e.rx.rx
+    assert all(m.read is None for m in e.rx.rx)  # deferred for the receivers
+    e.rx.read_for_receiver(first, (0x5000, 5000, 5))  # into the receiver's buffer
+    assert first.read is not None and first.staging is None
+    assert second.read is None and e.rx.rndv_staged == 0
+    e.rx.read_for_receiver(second, None)  # a receive that needs staging (recv())
+    assert second.staging is not None
+    assert third.read is not None and fourth.read is not None  # read ahead behind it
+    assert e.rx.rndv_staged == 3
+
+
 def test_a_rendezvous_send_completes_on_rndv_done() -> None:
     e, spool, rpool, port = connected()
     w = Waiter()

@@ -149,6 +149,8 @@ cdef class Receiver:
     cdef public int repost_batch
     cdef public int64_t rndv_prefetch
     cdef public int64_t busy_ahead
+    cdef public int64_t direct_ahead
+    cdef bint _direct
     cdef public long posted
     cdef list _repost_q
     cdef public object rx
@@ -170,6 +172,7 @@ cdef class Receiver:
     cdef int repost_c(self, int slot) except -1
     cdef int flush_reposts_c(self) except -1
     cdef int consume_data_c(self, Rx rx) except -1
+    cdef int64_t ahead_c(self) noexcept
 
 
 cdef class MessageEngine:

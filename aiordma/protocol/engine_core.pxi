@@ -127,7 +127,7 @@ cdef class MessageEngine:
     def __init__(self, EnginePort port, *, Slots spool, Slots rpool, list frame_wrs,
                  int eager, max_message_size, int inline_cap, int send_depth,
                  int signal_interval, signal_bytes, int repost_batch, rndv_prefetch,
-                 busy_ahead):
+                 busy_ahead, direct_ahead=None):
         self.port = port
         self.state = ConnectionState()
         self.credits = None
@@ -141,7 +141,8 @@ cdef class MessageEngine:
         self._repost_batch_asked = repost_batch
         self.tx = Sender(self, spool, frame_wrs,
                          SendQueue(send_depth, signal_interval, signal_bytes))
-        self.rx = Receiver(self, rpool, 1, rndv_prefetch, busy_ahead)
+        self.rx = Receiver(self, rpool, 1, rndv_prefetch, busy_ahead,
+                           busy_ahead if direct_ahead is None else direct_ahead)
 
     def connect(self, peer_credits, local_slots, peer_eager, peer_max_message, batching):
         """The handshake is done: the peer's limits. Raises ValueError (credits)."""

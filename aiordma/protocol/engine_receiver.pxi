@@ -6,8 +6,9 @@
 # are queued where they landed (their buffer is re-posted once the application consumed
 # the last message in it); a RNDV announcement is queued and its READ started at once
 # when the read-ahead budget allows (``rndv_prefetch`` bytes while nobody receives,
-# ``busy_ahead`` while a receive is in progress, like a TCP receive buffer), else when a
-# receiver asks for it (straight into a registered buffer of its own) or the budget
+# like a TCP receive buffer; while a receive is in progress ``busy_ahead``, or
+# ``direct_ahead`` when the receiver's own READ went straight into its buffer), else when
+# a receiver asks for it (straight into a registered buffer of its own) or the budget
 # frees up. RNDV_DONE finishes one of our rendezvous sends, CLOSE queues the peer's EOF,
 # CREDIT only returns credits (every frame may carry some).
 #
@@ -26,13 +27,15 @@ cdef class Receiver:
     ``rx_waiters``/``imm_waiters``: waiters woken when something arrives."""
 
     def __init__(self, MessageEngine engine, Slots rpool, int repost_batch, rndv_prefetch,
-                 busy_ahead):
+                 busy_ahead, direct_ahead):
         self.e = engine
         self.rpool = rpool
         self._rslot = rpool.slot_size
         self.repost_batch = repost_batch
         self.rndv_prefetch = rndv_prefetch
         self.busy_ahead = busy_ahead
+        self.direct_ahead = direct_ahead
+        self._direct = True  # the last receiver's READ went into its buffer (assumed)
         self.posted = 0  # receive WRs posted and not completed
         self._repost_q = []
         self.rx = deque()  # (never replaced: its bound methods are kept)
@@ -236,7 +239,7 @@ cdef class Receiver:
         self.repost_c(slot)
         if self.rx_waiters:
             wake(self.rx_waiters)  # the waiting receiver picks the destination
-        elif self.prefetched + rx.length <= (self.busy_ahead if self.receivers
+        elif self.prefetched + rx.length <= (self.ahead_c() if self.receivers
                                              else self.rndv_prefetch):
             # buffer it now, like a TCP receive buffer (while a receive is in progress,
             # within the smaller budget that keeps the link busy)
@@ -355,6 +358,20 @@ cdef class Receiver:
         if ok and not rx.done_sent:
             rx.done_sent = True
             self.e.tx.queue_ctrl(FrameType.RNDV_DONE, rx.msg_id)
+
+    def read_for_receiver(self, rx, span):
+        """A receiver's READ of rendezvous message ``rx`` (``start_read``): into
+        ``span``, its own buffer, or into staging (None); the messages behind it are
+        read ahead meanwhile within the budget of a receive in progress (``busy_ahead``,
+        or ``direct_ahead`` for a READ into the receiver's buffer: the next receive is
+        expected to be alike). Returns the waiter of its completion."""
+        self._direct = span is not None
+        fut = self.start_read(rx, span)
+        self.read_ahead(self.ahead_c())
+        return fut
+
+    cdef int64_t ahead_c(self) noexcept:
+        return self.direct_ahead if self._direct else self.busy_ahead
 
     def read_ahead(self, limit):
         """READ the deferred rendezvous messages into staging, in order, while the staged

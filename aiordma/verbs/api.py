@@ -352,11 +352,12 @@ class Context(abc.ABC):
     #: with this device by a plain memory copy (the ``soft`` provider); callers that
     #: choose how to allocate buffers (rendezvous staging) use shared memory only here
     maps_shared_memory: bool = False
-    #: True when the reading process's own CPU moves the bytes of an RDMA READ (the
-    #: ``soft`` provider: a memory copy from a same-host peer, or the socket's receive
-    #: from a remote one). A message read ahead into staging then costs every byte a
-    #: second copy on that CPU when the application takes it, where a READ straight
-    #: into the receiver's buffer costs one; on RDMA hardware the device moves them
+    #: True when CPU copies in the two processes move the bytes of an RDMA READ, not a
+    #: device (the ``soft`` provider: the responder's ``process_vm_writev`` or memmove
+    #: into the reader's memory, or a socket between them). Reading messages ahead into
+    #: staging while the application receives straight into its own registered buffers
+    #: then costs the receiving CPU a second copy per byte in its receive's path, and
+    #: gains none of the overlap a device gives
     reads_on_cpu: bool = False
 
     @abc.abstractmethod

@@ -20,7 +20,7 @@ class SoftContext(Context):
     name = DEVICE_NAME
     provider = "soft"
     maps_shared_memory = True  # responder.py: READs into SharedMemory by memmove
-    reads_on_cpu = True  # the reader's device copies every byte (CMA, memmove, socket)
+    reads_on_cpu = True  # READs are copies: the responder's (CMA, memmove) or a socket's
 
     def __init__(self) -> None:
         self._engine = engine.acquire()
