@@ -103,6 +103,7 @@ class Endpoint:
         self.device_name = device.name
         self._device = device
         res = self._res = Resources(device, opts, loop, auth_key)
+        busy_ahead = min(opts.rndv_prefetch, _BUSY_READ_AHEAD)
         self._reactor = res.reactor
         self._regions = res.regions
         self._engine = MessageEngine(
@@ -111,9 +112,7 @@ class Endpoint:
             inline_cap=res.inline_cap, send_depth=res.send_depth,
             signal_interval=opts.signal_interval, signal_bytes=opts.signal_bytes,
             repost_batch=opts.repost_batch, rndv_prefetch=opts.rndv_prefetch,
-            busy_ahead=min(opts.rndv_prefetch, _BUSY_READ_AHEAD),
-            direct_ahead=0 if device.ctx.reads_on_cpu else min(opts.rndv_prefetch,
-                                                                _BUSY_READ_AHEAD))
+            busy_ahead=busy_ahead, direct_ahead=0 if device.ctx.reads_on_cpu else busy_ahead)
         # the per-message calls, bound once (a method looked up by name, or a bound
         # method made, at every call costs more than the call itself)
         self._create_future: Callable[[], asyncio.Future[Any]] = loop.create_future

@@ -172,6 +172,7 @@ cdef class Receiver:
     cdef int repost_c(self, int slot) except -1
     cdef int flush_reposts_c(self) except -1
     cdef int consume_data_c(self, Rx rx) except -1
+    cdef Rx data_head_c(self)
     cdef int64_t ahead_c(self) noexcept
 
 

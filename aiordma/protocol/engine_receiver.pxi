@@ -255,16 +255,10 @@ cdef class Receiver:
         """The next message as bytes when it is a DATA message already here (consumed:
         its buffer goes back to the peer), else None (nothing taken). The caller makes
         sure that no receive is waiting before it."""
-        cdef Rx rx
-        cdef Slots rpool = self.rpool
-        if not self.rx or self.e.state.failed:
+        cdef Rx rx = self.data_head_c()
+        if rx is None:
             return None
-        rx = self.rx[0]
-        if rx.kind != R_DATA:
-            return None
-        if rpool.mem == NULL or rx.offset + rx.length > rpool._size:
-            raise ValueError("the receive buffers are gone")
-        data = PyBytes_FromStringAndSize(<char *>rpool.mem + rx.offset, rx.length)
+        data = PyBytes_FromStringAndSize(<char *>self.rpool.mem + rx.offset, rx.length)
         self.consume_data_c(rx)
         return data
 
@@ -275,16 +269,13 @@ cdef class Receiver:
         taken otherwise, and for a ``buffer`` that is not one writable, contiguous run
         of memory (the caller's checks then name the error)."""
         cdef Rx rx
-        cdef Slots rpool = self.rpool
         cdef Py_buffer dst
         cdef Py_ssize_t n
-        if self.receivers or not self.rx or self.e.state.failed:
+        if self.receivers:
             return -1
-        rx = self.rx[0]
-        if rx.kind != R_DATA:
+        rx = self.data_head_c()
+        if rx is None:
             return -1
-        if rpool.mem == NULL or rx.offset + rx.length > rpool._size:
-            raise ValueError("the receive buffers are gone")
         try:
             PyObject_GetBuffer(buffer, &dst, PyBUF_WRITABLE)
         except Exception:
@@ -293,10 +284,24 @@ cdef class Receiver:
         if n > dst.len:
             PyBuffer_Release(&dst)
             return -1
-        memcpy(dst.buf, rpool.mem + rx.offset, n)
+        memcpy(dst.buf, self.rpool.mem + rx.offset, n)
         PyBuffer_Release(&dst)
         self.consume_data_c(rx)
         return n
+
+    cdef Rx data_head_c(self):
+        """The receive queue's head when it is a DATA message and the connection has not
+        failed, else None; raises ValueError once the receive buffers are gone."""
+        cdef Rx rx
+        cdef Slots rpool = self.rpool
+        if not self.rx or self.e.state.failed:
+            return None
+        rx = self.rx[0]
+        if rx.kind != R_DATA:
+            return None
+        if rpool.mem == NULL or rx.offset + rx.length > rpool._size:
+            raise ValueError("the receive buffers are gone")
+        return rx
 
     def consume_data(self, Rx rx):
         """The application took DATA message ``rx`` (the receive queue's head)."""

@@ -182,24 +182,19 @@ cdef class Sender:
         cdef CreditState credits = self.e.credits
         cdef Slots spool = self.spool
         cdef int slot = spool.acquire_c()
-        cdef Py_buffer src
         cdef unsigned char *p
         cdef Py_ssize_t n
         if slot < 0:
             raise RuntimeError("no send buffer (the pump checks)")
         op.slot = slot
         p = spool.ptr(slot)
-        PyObject_GetBuffer(op.payload, &src, PyBUF_SIMPLE)
-        n = src.len
-        if C_HEADER_SIZE + n > spool.slot_size:
-            PyBuffer_Release(&src)
+        n = payload_copy(op.payload, p + C_HEADER_SIZE, spool.slot_size - C_HEADER_SIZE)
+        if n < 0:
             spool.release_c(slot)
             op.slot = None
-            raise LocalProtocolError(f"a {n}-byte message does not fit a "
-                                     f"{spool.slot_size}-byte send buffer")
+            raise LocalProtocolError(f"a {payload_len(op.payload)}-byte message does not "
+                                     f"fit a {spool.slot_size}-byte send buffer")
         frame_write(p, T_DATA, 0, credits.take_piggyback_c(), <uint32_t>n)
-        memcpy(p + C_HEADER_SIZE, src.buf, n)
-        PyBuffer_Release(&src)
         op.payload = None  # copied: the caller's buffer is free
         op.wr = self._frame_wr(op, C_HEADER_SIZE + n)
         return 0
