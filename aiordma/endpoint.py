@@ -48,7 +48,6 @@ from .protocol.engine import (
     RNDV,
     MessageEngine,
     Op,
-    register_waiter_type,
 )
 from .protocol.handshake import Hello
 from .protocol.heartbeat import HANDSHAKE_FLAG_LIVENESS
@@ -56,6 +55,7 @@ from .protocol.state import Local, Remote
 from .receiving import Receiving
 from .resources import Resources
 from .verbs import Access, AsyncEvent, EventType
+from .waiters import future_kwargs, new_future
 
 _REMOTE_READ: Final = int(Access.REMOTE_READ)
 # Staging bytes read ahead while a receive is in progress (the engine's ``busy_ahead``),
@@ -65,10 +65,6 @@ _REMOTE_READ: Final = int(Access.REMOTE_READ)
 # a copy in its receive's path for no overlap; a receive that needs staging anyway
 # (``recv()``) still has the messages behind it read ahead.
 _BUSY_READ_AHEAD: Final = 4 << 20
-
-# The engine resolves the endpoint's waiters (``loop.create_future()``: exactly an
-# asyncio.Future, on asyncio's loop and on uvloop) without a method lookup per message.
-register_waiter_type(asyncio.Future)
 
 
 
@@ -115,7 +111,7 @@ class Endpoint:
             busy_ahead=busy_ahead, direct_ahead=0 if device.ctx.reads_on_cpu else busy_ahead)
         # the per-message calls, bound once (a method looked up by name, or a bound
         # method made, at every call costs more than the call itself)
-        self._create_future: Callable[[], asyncio.Future[Any]] = loop.create_future
+        self._future_kw = future_kwargs(loop)  # new_future makes them with it
         self._send_eager: Callable[[asyncio.Future[None], Any], Op | None] = (
             self._engine.send_eager)
         self._take_data: Callable[[], bytes | None] = self._engine.rx.take_data
@@ -300,7 +296,7 @@ class Endpoint:
         registered region).
         """
         e = self._engine
-        fut: asyncio.Future[None] = self._create_future()
+        fut: asyncio.Future[None] = new_future(self._loop, self._future_kw)
         op: Op | None = None
         if self._life.closing is None:
             op = self._send_eager(fut, data)  # the usual case: one call into the engine

@@ -79,6 +79,7 @@ MODULES: tuple[str, ...] = (
     "aiordma.poll_schedule",
     "aiordma.spin_policy",
     "aiordma.memory",
+    "aiordma.waiters",
     "aiordma.verbs.wr",
     "aiordma.verbs.contract",
     "aiordma.verbs.soft.wire",

@@ -20,6 +20,7 @@ from .memory import LocalSpan, RemoteBuffer
 from .protocol.engine import IMM, READ, WRITE, Op, atomic_op, rdma_op
 from .protocol.state import Remote
 from .verbs import SendWR, WROpcode
+from .waiters import new_future
 
 if TYPE_CHECKING:
     from .endpoint import Endpoint
@@ -52,7 +53,7 @@ class OneSided:
         self._reactor = ep._reactor
         self._life = ep._life
         # the per-operation calls, bound once (not looked up by name each time)
-        self._create_future: Callable[[], asyncio.Future[Any]] = ep._loop.create_future
+        self._future_kw = ep._future_kw
         self._kick: Callable[[], None] = ep._engine.tx.kick
         self._oneq: deque[Op] = ep._engine.tx.oneq  # (the engine's, never replaced)
 
@@ -66,7 +67,7 @@ class OneSided:
         span = self._one_sided_span(local, remote, writable=False)
         if span.length <= self._res.max_wr:  # one work request, built in the engine
             await self._submit(self._oneq, rdma_op(
-                WRITE, self._create_future(), _WR_WRITE, span.addr, span.length, span.lkey,
+                WRITE, new_future(self._loop, self._future_kw), _WR_WRITE, span.addr, span.length, span.lkey,
                 remote.addr, remote.rkey, 0, span))
             return
         wrs = self._res.wr_chunks(_RDMA_WRITE, span, span.length, remote.addr, remote.rkey)
@@ -80,7 +81,7 @@ class OneSided:
         span = self._one_sided_span(local, remote, writable=True)
         if span.length <= self._res.max_wr:  # one work request, built in the engine
             await self._submit(self._oneq, rdma_op(
-                READ, self._create_future(), _WR_READ, span.addr, span.length, span.lkey,
+                READ, new_future(self._loop, self._future_kw), _WR_READ, span.addr, span.length, span.lkey,
                 remote.addr, remote.rkey, 0, span))
             return
         wrs = self._res.wr_chunks(_RDMA_READ, span, span.length, remote.addr, remote.rkey)
@@ -95,7 +96,7 @@ class OneSided:
         self._ep._check_send()
         if span.length <= self._res.max_wr:  # one work request, built in the engine
             await self._submit(self._engine.tx.sendq, rdma_op(
-                IMM, self._create_future(), _WR_WRITE_WITH_IMM, span.addr, span.length,
+                IMM, new_future(self._loop, self._future_kw), _WR_WRITE_WITH_IMM, span.addr, span.length,
                 span.lkey, remote.addr, remote.rkey, imm, span))
             return
         wrs = self._res.wr_chunks(_RDMA_WRITE, span, span.length, remote.addr, remote.rkey)
@@ -123,7 +124,7 @@ class OneSided:
         """Atomically add ``value`` (mod 2**64) to the 8-byte word at ``remote``;
         returns the old value. ``remote.addr`` must be 8-byte aligned (ValueError)."""
         self._check_atomic(remote)
-        op = atomic_op(self._create_future(), _WR_FETCH_AND_ADD, remote.addr, remote.rkey,
+        op = atomic_op(new_future(self._loop, self._future_kw), _WR_FETCH_AND_ADD, remote.addr, remote.rkey,
                        value & _MASK64)
         result: int = await self._submit(self._oneq, op)
         return result
@@ -132,7 +133,7 @@ class OneSided:
         """Atomically replace the 8-byte word at ``remote`` with ``new`` if it equals
         ``expected``; returns the old value (the swap happened iff it == expected)."""
         self._check_atomic(remote)
-        op = atomic_op(self._create_future(), _WR_CMP_AND_SWP, remote.addr, remote.rkey,
+        op = atomic_op(new_future(self._loop, self._future_kw), _WR_CMP_AND_SWP, remote.addr, remote.rkey,
                        expected & _MASK64, new & _MASK64)
         result: int = await self._submit(self._oneq, op)
         return result
@@ -183,11 +184,11 @@ class OneSided:
         Cancelled before any piece was posted: none is sent; after: all run."""
         final_kind = kind if last_kind is None else last_kind
         if len(wrs) == 1:
-            await self._submit(q, Op(final_kind, self._create_future(), wr=wrs[0], keep=span))
+            await self._submit(q, Op(final_kind, new_future(self._loop, self._future_kw), wr=wrs[0], keep=span))
             return
         ops = [Op(kind, None, wr=wr, keep=span) for wr in wrs[:-1]]
         q.extend(ops)
-        last = Op(final_kind, self._loop.create_future(), wr=wrs[-1], keep=span)
+        last = Op(final_kind, new_future(self._loop, self._future_kw), wr=wrs[-1], keep=span)
         ops.append(last)
         tx = self._engine.tx
         try:

@@ -20,6 +20,7 @@ from .errors import ConnectionClosed, MessageTooLarge
 from .lifecycle import uncancelled
 from .memory import LocalSpan
 from .protocol.engine import RX_DATA, RX_EOF, Rx
+from .waiters import new_future
 
 if TYPE_CHECKING:
     from .endpoint import Endpoint
@@ -100,6 +101,7 @@ class Receiving:
         self._regions = ep._regions
         self._life = ep._life
         self._turns = ReceiverTurns(ep._loop)
+        self._future_kw = ep._future_kw
 
     def wait_in_place(self) -> tuple[float, float] | None:
         """polling mode, nothing received yet and nobody else receiving: wait in place
@@ -110,7 +112,7 @@ class Receiving:
         out its budget, for the caller to pass to ``resumed`` once a message came."""
         if self._engine.state.failed or self._life.closing is not None:
             return None
-        fut: asyncio.Future[None] = self._loop.create_future()
+        fut: asyncio.Future[None] = new_future(self._loop, self._future_kw)
         waiters = self._engine.rx.rx_waiters
         waiters.append(fut)
         if self._schedule.wait_in_place(fut):
@@ -194,7 +196,7 @@ class Receiving:
     async def wait_on(self, waiters: list[Any]) -> None:
         """Sleep until the engine wakes ``waiters``; a cancelled sleeper leaves the list
         clean."""
-        fut: asyncio.Future[None] = self._loop.create_future()
+        fut: asyncio.Future[None] = new_future(self._loop, self._future_kw)
         waiters.append(fut)
         try:
             if self._reactor.waits:

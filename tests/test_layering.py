@@ -17,6 +17,7 @@ LAYERS: dict[str, int] = {
     "verbs": 1,
     "protocol": 1,
     "memory": 2,
+    "waiters": 2,  # the futures the endpoint's operations await, made and resolved cheaply
     "options": 2,
     "acceptor": 2,
     "cq_reactor": 3,

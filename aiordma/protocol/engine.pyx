@@ -27,6 +27,7 @@ run: ``aiordma.native.build()`` says why it was not built.
 from cpython.buffer cimport PyBUF_FULL_RO, PyBUF_SIMPLE, PyBUF_WRITABLE, PyBuffer_Release, PyObject_GetBuffer
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from cpython.memoryview cimport PyMemoryView_FromObject
+from cpython.object cimport PyObject_Call
 from cpython.pycapsule cimport PyCapsule_GetPointer
 from cpython.ref cimport Py_DECREF, Py_INCREF
 from libc.stdint cimport int64_t, uint8_t, uint16_t, uint32_t, uint64_t
