@@ -25,7 +25,9 @@ __all__ = ["future_kwargs", "new_future"]
 
 engine.register_waiter_type(asyncio.Future)
 
-_new_waiter: Final = engine.new_waiter  # compiled: a C static, no look-up per call
+# compiled: C statics, no look-up per call
+_new_waiter: Final = engine.new_waiter
+_Future: Final = asyncio.Future
 
 
 def future_kwargs(loop: asyncio.AbstractEventLoop) -> dict[str, Any] | None:
@@ -35,13 +37,13 @@ def future_kwargs(loop: asyncio.AbstractEventLoop) -> dict[str, Any] | None:
     caller's to keep, unchanged."""
     fut = loop.create_future()
     fut.cancel()
-    return {"loop": loop} if type(fut) is asyncio.Future else None
+    return {"loop": loop} if type(fut) is _Future else None
 
 
 def new_future(loop: asyncio.AbstractEventLoop, kwargs: dict[str, Any] | None) -> asyncio.Future[Any]:
     """A pending future of ``loop``, as ``loop.create_future()`` makes it; ``kwargs``:
     ``future_kwargs(loop)``."""
     if kwargs is not None:
-        fut: asyncio.Future[Any] = _new_waiter(kwargs)
+        fut: asyncio.Future[Any] = _new_waiter(_Future, kwargs)
         return fut
     return loop.create_future()

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from aiordma.protocol.engine import new_waiter, register_waiter_type
+from aiordma.protocol.engine import new_waiter
 from aiordma.waiters import future_kwargs, new_future
 
 
@@ -57,11 +57,19 @@ def test_new_future_needs_no_running_loop() -> None:
         loop.close()
 
 
-def test_new_waiter_without_a_registered_class_raises_typeerror() -> None:
-    before = register_waiter_type(None)
-    try:
-        with pytest.raises(TypeError):
-            new_waiter({})
-    finally:
-        register_waiter_type(before)
-    assert before is asyncio.Future
+def test_new_waiter_passes_the_dict_as_it_is() -> None:
+    """``new_waiter(cls, kwargs)`` is ``cls(**kwargs)``; the dict is not changed, and a
+    class that refuses the arguments raises as it would."""
+    seen: list[dict[str, Any]] = []
+
+    class Recorder:
+        def __init__(self, **kw: Any) -> None:
+            seen.append(kw)
+
+    kw = {"loop": 1}
+    assert isinstance(new_waiter(Recorder, kw), Recorder)
+    assert seen == [{"loop": 1}] and kw == {"loop": 1}
+    with pytest.raises(TypeError):
+        new_waiter(object, kw)
+    with pytest.raises(TypeError):
+        new_waiter(None, kw)

@@ -213,15 +213,12 @@ def register_waiter_type(cls):
     return old
 
 
-def new_waiter(dict kwargs):
-    """A new waiter of the registered class: ``cls(**kwargs)``, the caller's dict passed
-    as it is (a call from Python would copy it, or build one for keyword arguments: the
-    driver keeps one per event loop, e.g. ``{"loop": loop}``, which must not change
-    while a call runs). Returns the waiter; raises TypeError when no class is
-    registered, else what the class raises."""
-    if WAITER_TYPE is None:
-        raise TypeError("no waiter class is registered")
-    return PyObject_Call(WAITER_TYPE, (), kwargs)
+def new_waiter(cls, dict kwargs):
+    """A new waiter ``cls(**kwargs)``, the caller's dict passed as it is: a call from
+    Python would copy it, or build one for keyword arguments; the driver keeps one per
+    event loop (``{"loop": loop}``), which must not change while a call runs. Returns
+    the waiter; raises what ``cls`` raises (TypeError where it is not callable)."""
+    return PyObject_Call(cls, (), kwargs)
 
 
 cdef inline int resolve_c(object w, object result) except -1:
