@@ -9,8 +9,10 @@ The endpoint is the asyncio face of three parts, each with one reason to change:
 * ``lifecycle.Lifecycle`` -- the setup connection's watch, close, EOF, abort, teardown.
 
 What is left here turns calls into queued operations and their futures, and waits;
-the one-sided operations do so in ``onesided.OneSided``; a receive that finds no
-message waiting for it waits in ``receiving.Receiving``.
+the one-sided operations do so in ``onesided.OneSided``; a send that the engine does
+not take in one call (an error, a cast, a rendezvous) is queued by
+``sending.Sending``; a receive that finds no message waiting for it waits in
+``receiving.Receiving``.
 
 Messages: a message up to ``eager_size - 8`` bytes travels in one SEND (8-byte frame
 header + payload); small messages queued in the same loop iteration share one SEND (a
@@ -38,26 +40,24 @@ from typing import Any, Final
 
 from . import liveness
 from .device import Device
-from .errors import ConnectionClosed, MessageTooLarge
+from .errors import ConnectionClosed
 from .lifecycle import Lifecycle, uncancelled
 from .memory import MemoryRegion, RemoteBuffer
 from .onesided import OneSided
 from .options import EndpointOptions
 from .protocol.engine import (
     HANDSHAKE_FLAG_BATCH,
-    RNDV,
     MessageEngine,
     Op,
 )
 from .protocol.handshake import Hello
 from .protocol.heartbeat import HANDSHAKE_FLAG_LIVENESS
-from .protocol.state import Local, Remote
-from .receiving import Receiving
+from .receiving import Receiving, writable_view
 from .resources import Resources
+from .sending import Sending
 from .verbs import Access, AsyncEvent, EventType
 from .waiters import future_kwargs, new_future
 
-_REMOTE_READ: Final = int(Access.REMOTE_READ)
 # Staging bytes read ahead while a receive is in progress (the engine's ``busy_ahead``),
 # READs behind the receiver's own that keep the link busy meanwhile. Where CPU copies move
 # a READ's bytes (``Context.reads_on_cpu``) none while the receiver READs straight into
@@ -66,20 +66,6 @@ _REMOTE_READ: Final = int(Access.REMOTE_READ)
 # (``recv()``) still has the messages behind it read ahead.
 _BUSY_READ_AHEAD: Final = 4 << 20
 
-
-
-def _flat_view(data: Any) -> memoryview:
-    """``data`` as a one-dimensional memoryview of bytes. Raises TypeError for a
-    non-bytes-like object or a buffer that is not C-contiguous."""
-    try:
-        mv = memoryview(data)
-    except TypeError:
-        raise TypeError(f"a bytes-like object is required, not {type(data).__name__!r}") from None
-    if not mv.c_contiguous:
-        raise TypeError("a C-contiguous buffer is required")
-    if mv.ndim != 1 or mv.format != "B":
-        mv = mv.cast("B")
-    return mv
 
 class Endpoint:
     """A connected RDMA endpoint. Create with ``aiordma.connect`` or ``aiordma.listen``.
@@ -121,6 +107,7 @@ class Endpoint:
         self._life = Lifecycle(self, loop, self._engine, res, opts.close_timeout)
         self._one = OneSided(self)
         self._rcv = Receiving(self)
+        self._snd = Sending(self)
         res.bind(self._engine.tx.on_wc, self._engine.rx.on_wc, self._life)
         res.attach(self._engine)
         self.qp_num = res.qp.qp_num
@@ -301,7 +288,7 @@ class Endpoint:
         if self._life.closing is None:
             op = self._send_eager(fut, data)  # the usual case: one call into the engine
         if op is None:
-            op, n = self._queue_send(fut, data)
+            op, n = self._snd.queue(fut, data)
         else:
             n = len(data)
         try:
@@ -315,45 +302,6 @@ class Endpoint:
             raise
         self.messages_sent += 1
         self.bytes_sent += n
-
-    def _queue_send(self, fut: asyncio.Future[None], data: Any) -> tuple[Op, int]:
-        """``send``'s queueing where ``MessageEngine.send_eager`` did not queue:
-        the precise error raised, or the message queued eagerly or by rendezvous;
-        returns its op and size."""
-        e = self._engine
-        if not e.state.can_send or self._life.closing is not None or e.credits is None:
-            self._check_send()  # raises the precise error
-        cls = type(data)
-        if cls is bytes or cls is bytearray:  # flat bytes already
-            mv = memoryview(data)
-            n = len(data)
-        else:
-            mv = _flat_view(data)
-            n = mv.nbytes
-        if n > e.max_message_size:
-            raise MessageTooLarge(f"message of {n} bytes exceeds max_message_size "
-                                  f"{e.max_message_size}", n)
-        tx = e.tx
-        if n <= e.eager_payload:
-            return tx.queue_data(fut, mv), n
-        op = Op(RNDV, fut, payload=self._rndv_source(mv), msg_id=tx.next_msg_id())
-        tx.sendq.append(op)
-        tx.kick()
-        return op, n
-
-    def _rndv_source(self, mv: memoryview) -> Any:
-        """A registered, remotely readable copy of (or view on) ``mv`` for rendezvous."""
-        try:
-            span = self._regions.resolve(mv, writable=False)
-        except (ValueError, TypeError):
-            span = None
-        if span is not None and isinstance(span.keep, tuple):
-            region = span.keep[1]
-            if int(region.access) & _REMOTE_READ:  # (no flag-enum arithmetic per send)
-                return span
-        st = self._res.staging_out.lease(mv.nbytes)
-        st.view[:] = mv
-        return st
 
     async def recv(self) -> bytes:
         """The next whole message, as bytes.
@@ -389,20 +337,15 @@ class Endpoint:
         """
         rx = self._rx
         miss = None
+        out: memoryview | None = None
         if not self._rxq and self._reactor.in_place and not rx.receivers:
+            out = writable_view(buffer)  # a bad buffer raises before the wait
             miss = self._rcv.wait_in_place()
         n = self._take_into(buffer)  # already here, nobody queued before us: no await
         if n >= 0:
             return n
-        try:
-            out = memoryview(buffer)
-        except TypeError:
-            raise TypeError(f"a writable bytes-like object is required, not "
-                            f"{type(buffer).__name__!r}") from None
-        if out.readonly:
-            raise TypeError("recv_into needs a writable buffer")
-        if out.ndim != 1 or out.format != "B":
-            out = out.cast("B")
+        if out is None:
+            out = writable_view(buffer)
         rx.receivers += 1
         try:
             n = await self._rcv.recv_into(out)
@@ -467,16 +410,6 @@ class Endpoint:
     def _check_open(self) -> None:
         if self._engine.state.failed or self._life.closing is not None:
             raise self._engine.closed_error()
-
-    def _check_send(self) -> None:
-        self._check_open()
-        st = self._engine.state
-        if st.local is not Local.OPEN:
-            raise ConnectionClosed("cannot send after send_eof()")
-        if st.remote is Remote.GONE:
-            raise ConnectionClosed("the peer closed the connection")
-        if self._engine.credits is None:
-            raise ConnectionClosed("endpoint is not connected")
 
     # ---------------------------------------------------------------- close / abort
     async def close(self) -> None:

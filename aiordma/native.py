@@ -72,6 +72,7 @@ MODULES: tuple[str, ...] = (
     "aiordma.endpoint",
     "aiordma.onesided",
     "aiordma.receiving",
+    "aiordma.sending",
     "aiordma.resources",
     "aiordma.lifecycle",
     "aiordma.protocol.state",

@@ -93,7 +93,7 @@ class OneSided:
         if not 0 <= imm < 1 << 32:
             raise ValueError("imm must be an unsigned 32-bit integer")
         span = self._one_sided_span(local, remote, writable=False)
-        self._ep._check_send()
+        self._ep._snd.check()
         if span.length <= self._res.max_wr:  # one work request, built in the engine
             await self._submit(self._engine.tx.sendq, rdma_op(
                 IMM, new_future(self._loop, self._future_kw), _WR_WRITE_WITH_IMM, span.addr, span.length,

@@ -26,6 +26,21 @@ if TYPE_CHECKING:
     from .endpoint import Endpoint
 
 
+def writable_view(buffer: Any) -> memoryview:
+    """``buffer`` as a one-dimensional writable memoryview of bytes (what ``recv_into``
+    fills). Raises TypeError for a non-bytes-like object or a read-only buffer."""
+    try:
+        out = memoryview(buffer)
+    except TypeError:
+        raise TypeError(f"a writable bytes-like object is required, not "
+                        f"{type(buffer).__name__!r}") from None
+    if out.readonly:
+        raise TypeError("recv_into needs a writable buffer")
+    if out.ndim != 1 or out.format != "B":
+        out = out.cast("B")
+    return out
+
+
 class ReceiverTurns:
     """The receivers' turns: ``asyncio.Lock``'s contract (first come, first served; a
     waiter cancelled before its turn leaves the line without holding up the next),

@@ -129,6 +129,12 @@ async def test_polling_waits_in_place(opts: dict) -> None:
             assert ep._reactor.schedule.in_place_waits == waits
             assert await asyncio.wait_for(waiting, T) in (b"late", 4)
             assert ep._reactor.schedule.suspended == 0
+        # a buffer recv_into cannot take raises at once, without waiting in place first
+        waits = srv._reactor.schedule.in_place_waits
+        for bad in (b"readonly", "text", memoryview(bytearray(8)).toreadonly()):
+            with pytest.raises(TypeError):
+                await srv.recv_into(bad)
+        assert srv._reactor.schedule.in_place_waits == waits
         await asyncio.wait_for(ep.close(), T)
         with pytest.raises(aiordma.ConnectionClosed):
             await asyncio.wait_for(srv.recv(), T)

@@ -30,6 +30,7 @@ LAYERS: dict[str, int] = {
     "endpoint": 6,
     "onesided": 6,  # the endpoint's one-sided operations (it imports Endpoint for types only)
     "receiving": 6,  # the waits of the endpoint's receives (likewise)
+    "sending": 6,  # the send side's slow paths (likewise)
     "connection": 7,
     "listener": 7,
     "transport": 8,
