@@ -135,6 +135,35 @@ def test_a_small_buffer_is_copied_when_queued_and_a_large_one_held_until_posted(
     large.append(0)  # copied: free again
 
 
+def test_a_small_buffer_is_copied_into_its_op_and_framed_whole() -> None:
+    """A payload (not bytes) of up to ``SMALL_PAYLOAD`` bytes is copied into its op when
+    queued: the caller may change it at once; alone it goes as a DATA frame, behind
+    others as a BATCH record, whole either way, and one byte more takes the other copy."""
+    from aiordma.protocol.engine import SMALL_PAYLOAD
+
+    e, spool, _rpool, port = connected(eager=4096)
+    first = bytearray(b"f" * 10)
+    assert e.send_eager(Waiter(), first) is not None  # posted at once: a DATA frame
+    first[:] = b"gone"
+    tiny = memoryview(bytearray(b"t" * SMALL_PAYLOAD))
+    edge = bytearray(b"e" * (SMALL_PAYLOAD + 1))
+    empty = bytearray()
+    ops = [e.send_eager(Waiter(), m) for m in (tiny, empty, edge)]
+    # held in the op, no object made for the copy; one byte more: a bytes copy
+    assert [type(op.payload) for op in ops] == [type(None), type(None), bytes]
+    tiny[:4] = b"XXXX"
+    edge[:] = b""
+    empty.extend(b"late")
+    port.turn()
+    frames = [wr for chain in port.sends for wr in chain]
+    f = frame_of(spool, frames[0])
+    off = frames[0].sg_list[0].addr - spool.base
+    assert f.type == FrameType.DATA and f.payload_len == 10
+    assert bytes(spool.view[off + f.payload_offset: off + f.payload_offset + 10]) == b"f" * 10
+    assert _batch_payloads(spool, frames[1]) == [b"t" * SMALL_PAYLOAD, b"",
+                                                 b"e" * (SMALL_PAYLOAD + 1)]
+
+
 def test_send_eager_queues_only_flat_byte_buffers_of_the_three_types() -> None:
     e, _spool, _rpool, port = connected()
     import array

@@ -56,6 +56,11 @@ cdef class CreditState:
     cdef bint should_send_credit_c(self) noexcept
 
 
+cdef enum:
+    # a DATA payload of up to this many bytes (not bytes) is copied into its op itself
+    C_SMALL_PAYLOAD = 256
+
+
 cdef class Op:
     cdef public int kind
     cdef public object fut
@@ -71,6 +76,11 @@ cdef class Op:
     cdef int c_opcode
     cdef uint32_t c_length, c_lkey, c_rkey, c_imm
     cdef uint64_t c_laddr, c_raddr, c_compare_add, c_swap
+    # a small DATA payload held in the op itself (``c_small_len`` bytes of ``c_small``;
+    # ``c_inline`` False: ``payload``)
+    cdef bint c_inline
+    cdef int c_small_len
+    cdef unsigned char c_small[C_SMALL_PAYLOAD]
 
 
 cdef class Rx:
@@ -140,6 +150,7 @@ cdef class Sender:
     cdef int _build_data(self, Op op) except -1
     cdef Op _build_batch(self, Op first)
     cdef Op queue_data_c(self, object fut, object payload)
+    cdef Op queue_op_c(self, Op op)
 
 
 cdef class Receiver:

@@ -16,6 +16,8 @@
 
 COPY_AT_SEND = 1024
 """``send_eager`` copies a payload up to this size (not bytes) when it is queued."""
+SMALL_PAYLOAD = C_SMALL_PAYLOAD
+"""...into the op itself up to this size (no object made for the copy)."""
 cdef enum:
     C_COPY_AT_SEND = 1024
 
@@ -165,14 +167,16 @@ cdef class MessageEngine:
         now: ``data`` a bytes, bytearray or memoryview object (those exact types),
         connected, open for sending, at most ``eager_payload`` bytes, and (a memoryview)
         one flat run of unsigned bytes (format ``B``, contiguous). A payload of at most
-        ``COPY_AT_SEND`` bytes that is not bytes is copied into a bytes object now (a
-        small copy costs less than a view held on the caller's buffer until it is
-        posted); a larger one is held through a view of our own. Returns its op (as
+        ``COPY_AT_SEND`` bytes that is not bytes is copied now (a small copy costs less
+        than a view held on the caller's buffer until it is posted): up to
+        ``SMALL_PAYLOAD`` bytes into the op itself, else into a bytes object; a larger
+        one is held through a view of our own. Returns its op (as
         ``Sender.queue_data``), or None with nothing queued: the caller finds the
         precise error, casts the view, or sends it by rendezvous. Raises ValueError for
         a released memoryview."""
         cdef Py_ssize_t n
         cdef Py_buffer view
+        cdef Op op
         cdef bint flat
         t = type(data)
         if self.credits is None or not self.state.can_send_c():
@@ -192,6 +196,13 @@ cdef class MessageEngine:
         if not flat or n > self.eager_payload or n > self.max_message_size:
             PyBuffer_Release(&view)
             return None
+        if n <= C_SMALL_PAYLOAD:  # into the op itself: no object for the copy
+            op = new_op(K_DATA, fut, None)
+            memcpy(op.c_small, view.buf, n)
+            PyBuffer_Release(&view)
+            op.c_small_len = <int>n
+            op.c_inline = True
+            return self.tx.queue_op_c(op)
         if n <= C_COPY_AT_SEND:
             try:
                 payload = PyBytes_FromStringAndSize(<char *>view.buf, n)

@@ -132,6 +132,25 @@ cdef inline Op new_op(int kind, object fut, object payload):
     return op
 
 
+cdef inline Py_ssize_t op_payload_len(Op op) except -1:
+    """The size in bytes of a queued DATA op's payload (held in the op, or ``payload``:
+    as ``payload_len``)."""
+    if op.c_inline:
+        return op.c_small_len
+    return payload_len(op.payload)
+
+
+cdef inline Py_ssize_t op_payload_copy(Op op, unsigned char *dst, Py_ssize_t room) except -2:
+    """Copy a queued DATA op's payload to ``dst`` (as ``payload_copy``); returns its
+    size, or -1 (nothing copied) when it is over ``room`` bytes."""
+    if op.c_inline:
+        if op.c_small_len > room:
+            return -1
+        memcpy(dst, op.c_small, op.c_small_len)
+        return op.c_small_len
+    return payload_copy(op.payload, dst, room)
+
+
 cdef object send_wr_of_op(Op op):
     """The ``SendWR`` of an ``rdma_op`` or ``atomic_op`` (the port path posts
     objects)."""

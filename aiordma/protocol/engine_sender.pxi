@@ -188,11 +188,11 @@ cdef class Sender:
             raise RuntimeError("no send buffer (the pump checks)")
         op.slot = slot
         p = spool.ptr(slot)
-        n = payload_copy(op.payload, p + C_HEADER_SIZE, spool.slot_size - C_HEADER_SIZE)
+        n = op_payload_copy(op, p + C_HEADER_SIZE, spool.slot_size - C_HEADER_SIZE)
         if n < 0:
             spool.release_c(slot)
             op.slot = None
-            raise LocalProtocolError(f"a {payload_len(op.payload)}-byte message does not "
+            raise LocalProtocolError(f"a {op_payload_len(op)}-byte message does not "
                                      f"fit a {spool.slot_size}-byte send buffer")
         frame_write(p, T_DATA, 0, credits.take_piggyback_c(), <uint32_t>n)
         op.payload = None  # copied: the caller's buffer is free
@@ -210,13 +210,13 @@ cdef class Sender:
         cdef int slot
         cdef unsigned char *p
         sendq = self.sendq
-        room = self.e.eager - C_HEADER_SIZE - C_BATCH_RECORD - payload_len(first.payload)
+        room = self.e.eager - C_HEADER_SIZE - C_BATCH_RECORD - op_payload_len(first)
         members = [first]
         while sendq:
             op = sendq[0]
             if op.kind != K_DATA:
                 break
-            room -= C_BATCH_RECORD + payload_len(op.payload)
+            room -= C_BATCH_RECORD + op_payload_len(op)
             if room < 0:
                 break
             members.append(self._sendq_popleft())
@@ -231,8 +231,8 @@ cdef class Sender:
         p = spool.ptr(slot)
         off = C_HEADER_SIZE
         for op in members:
-            n = payload_copy(op.payload, p + off + C_BATCH_RECORD,
-                             spool.slot_size - off - C_BATCH_RECORD)
+            n = op_payload_copy(op, p + off + C_BATCH_RECORD,
+                                spool.slot_size - off - C_BATCH_RECORD)
             if n < 0:
                 spool.release_c(slot)
                 carrier.slot = None
@@ -414,7 +414,10 @@ cdef class Sender:
         return self.queue_data_c(fut, payload)
 
     cdef Op queue_data_c(self, object fut, object payload):
-        cdef Op op = new_op(K_DATA, fut, payload)
+        return self.queue_op_c(new_op(K_DATA, fut, payload))
+
+    cdef Op queue_op_c(self, Op op):
+        """Queue the DATA op ``op`` (its payload set) and post what can go; returns it."""
         self._sendq_append(op)
         self.kick_c()
         return op
