@@ -57,6 +57,10 @@ class OneSided:
         self._kick: Callable[[], None] = ep._engine.tx.kick
         self._oneq: deque[Op] = ep._engine.tx.oneq  # (the engine's, never replaced)
 
+    def _new_future(self) -> asyncio.Future[Any]:
+        """The future an operation's caller awaits (``waiters.new_future``)."""
+        return new_future(self._loop, self._future_kw)
+
     async def write(self, local: Any, remote: RemoteBuffer) -> None:
         """RDMA WRITE all of ``local`` (a MemoryRegion or a buffer inside one registered
         with this endpoint) to the start of ``remote``.
@@ -67,7 +71,7 @@ class OneSided:
         span = self._one_sided_span(local, remote, writable=False)
         if span.length <= self._res.max_wr:  # one work request, built in the engine
             await self._submit(self._oneq, rdma_op(
-                WRITE, new_future(self._loop, self._future_kw), _WR_WRITE, span.addr, span.length, span.lkey,
+                WRITE, self._new_future(), _WR_WRITE, span.addr, span.length, span.lkey,
                 remote.addr, remote.rkey, 0, span))
             return
         wrs = self._res.wr_chunks(_RDMA_WRITE, span, span.length, remote.addr, remote.rkey)
@@ -81,7 +85,7 @@ class OneSided:
         span = self._one_sided_span(local, remote, writable=True)
         if span.length <= self._res.max_wr:  # one work request, built in the engine
             await self._submit(self._oneq, rdma_op(
-                READ, new_future(self._loop, self._future_kw), _WR_READ, span.addr, span.length, span.lkey,
+                READ, self._new_future(), _WR_READ, span.addr, span.length, span.lkey,
                 remote.addr, remote.rkey, 0, span))
             return
         wrs = self._res.wr_chunks(_RDMA_READ, span, span.length, remote.addr, remote.rkey)
@@ -96,7 +100,7 @@ class OneSided:
         self._ep._snd.check()
         if span.length <= self._res.max_wr:  # one work request, built in the engine
             await self._submit(self._engine.tx.sendq, rdma_op(
-                IMM, new_future(self._loop, self._future_kw), _WR_WRITE_WITH_IMM, span.addr, span.length,
+                IMM, self._new_future(), _WR_WRITE_WITH_IMM, span.addr, span.length,
                 span.lkey, remote.addr, remote.rkey, imm, span))
             return
         wrs = self._res.wr_chunks(_RDMA_WRITE, span, span.length, remote.addr, remote.rkey)
@@ -124,7 +128,7 @@ class OneSided:
         """Atomically add ``value`` (mod 2**64) to the 8-byte word at ``remote``;
         returns the old value. ``remote.addr`` must be 8-byte aligned (ValueError)."""
         self._check_atomic(remote)
-        op = atomic_op(new_future(self._loop, self._future_kw), _WR_FETCH_AND_ADD, remote.addr, remote.rkey,
+        op = atomic_op(self._new_future(), _WR_FETCH_AND_ADD, remote.addr, remote.rkey,
                        value & _MASK64)
         result: int = await self._submit(self._oneq, op)
         return result
@@ -133,7 +137,7 @@ class OneSided:
         """Atomically replace the 8-byte word at ``remote`` with ``new`` if it equals
         ``expected``; returns the old value (the swap happened iff it == expected)."""
         self._check_atomic(remote)
-        op = atomic_op(new_future(self._loop, self._future_kw), _WR_CMP_AND_SWP, remote.addr, remote.rkey,
+        op = atomic_op(self._new_future(), _WR_CMP_AND_SWP, remote.addr, remote.rkey,
                        expected & _MASK64, new & _MASK64)
         result: int = await self._submit(self._oneq, op)
         return result
@@ -184,11 +188,11 @@ class OneSided:
         Cancelled before any piece was posted: none is sent; after: all run."""
         final_kind = kind if last_kind is None else last_kind
         if len(wrs) == 1:
-            await self._submit(q, Op(final_kind, new_future(self._loop, self._future_kw), wr=wrs[0], keep=span))
+            await self._submit(q, Op(final_kind, self._new_future(), wr=wrs[0], keep=span))
             return
         ops = [Op(kind, None, wr=wr, keep=span) for wr in wrs[:-1]]
         q.extend(ops)
-        last = Op(final_kind, new_future(self._loop, self._future_kw), wr=wrs[-1], keep=span)
+        last = Op(final_kind, self._new_future(), wr=wrs[-1], keep=span)
         ops.append(last)
         tx = self._engine.tx
         try:

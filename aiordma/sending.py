@@ -41,9 +41,11 @@ def flat_view(data: Any) -> memoryview:
 
 class Sending:
     """The send side's slow paths of one endpoint (the module docstring). Uses the
-    endpoint's engine, regions, resources and lifecycle; holds no state of its own."""
+    endpoint's engine, regions, resources, lifecycle and open check; holds no state of
+    its own."""
 
     def __init__(self, ep: Endpoint) -> None:
+        self._ep = ep
         self._engine = ep._engine
         self._regions = ep._regions
         self._res = ep._res
@@ -53,9 +55,8 @@ class Sending:
         """Raise the precise ConnectionClosed when this endpoint cannot send now (the
         connection failed or is closing, ``send_eof()`` was called, the peer closed,
         not connected); return otherwise."""
+        self._ep._check_open()
         e = self._engine
-        if e.state.failed or self._life.closing is not None:
-            raise e.closed_error()
         st = e.state
         if st.local is not Local.OPEN:
             raise ConnectionClosed("cannot send after send_eof()")

@@ -40,7 +40,8 @@ def future_kwargs(loop: asyncio.AbstractEventLoop) -> dict[str, Any] | None:
     return {"loop": loop} if type(fut) is _Future else None
 
 
-def new_future(loop: asyncio.AbstractEventLoop, kwargs: dict[str, Any] | None) -> asyncio.Future[Any]:
+def new_future(loop: asyncio.AbstractEventLoop,
+               kwargs: dict[str, Any] | None) -> asyncio.Future[Any]:
     """A pending future of ``loop``, as ``loop.create_future()`` makes it; ``kwargs``:
     ``future_kwargs(loop)``."""
     if kwargs is not None:
