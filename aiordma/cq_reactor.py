@@ -27,12 +27,11 @@ The poll mode (``blocking``, ``hybrid``, ``polling``; ``AIORDMA_POLL_MODE``,
 polled CQ is re-armed at once: ``poll_schedule.PollSchedule`` (``self.schedule``),
 documented there.
 
-Handlers: ``register(handler, arg) -> wr_id`` stores ``(handler, arg)`` under a
-counter-generated wr_id; the completion calls ``handler(wc, arg)`` exactly once, on
-the loop thread, in CQ order. ``arg`` keeps the operation's buffers alive until then,
-even when the awaiting task was cancelled (``future_handler`` drops the result of a
-cancelled future quietly). Exceptions raised by handlers go to the loop's exception
-handler and never stop the dispatch of the other completions.
+Who receives each completion (a handler registered for its wr_id, or the message
+engine of its QP) is ``wr_table.WRTable``'s (``self.wrs``); the reactor's
+``register``/``unregister``/``unregister_owner``/``attach_engine``/``detach_engine``
+are that table's, documented there. Exceptions raised by handlers go to the loop's
+exception handler and never stop the dispatch of the other completions.
 """
 
 from __future__ import annotations
@@ -42,15 +41,15 @@ import weakref
 from collections.abc import Callable, Coroutine
 from typing import Any, ClassVar, Final, TypeVar
 
-from .errors import CQOverrunError, RDMAError, completion_error
+from .errors import CQOverrunError, RDMAError
 from .poll_schedule import DEFAULT_MODE, DEFAULT_SPIN_US, MODES, PollSchedule, poll_settings
-from .protocol.engine import WR_ENGINE, MessageEngine, poll_dispatch
-from .verbs import CQ, WC, CompChannel, Context, WCStatus
+from .protocol.engine import MessageEngine, poll_dispatch
+from .verbs import CQ, WC, CompChannel, Context
+from .wr_table import Handler, WRTable, future_handler
 
 __all__ = ["CQReactor", "future_handler", "poll_settings", "MODES", "DEFAULT_MODE",
            "DEFAULT_SPIN_US", "Handler"]
 
-Handler = Callable[[WC, Any], None]
 T = TypeVar("T")
 
 _POLL_BATCH: Final = 32
@@ -89,21 +88,6 @@ class _CQSlot:
         self.c_target: Any = None if ops is None else ops[1]
 
 
-def future_handler(wc: WC, fut: asyncio.Future[WC]) -> None:
-    """A handler resolving ``fut`` with the WC, or with the typed CompletionError.
-
-    A future that is already done (cancelled) is left alone: the completion is
-    dropped quietly, its buffers are released with the table entry.
-    """
-    if fut.done():
-        return
-    if wc.status == WCStatus.SUCCESS:
-        fut.set_result(wc)
-    else:
-        fut.set_exception(completion_error(wc.status, vendor_err=wc.vendor_err,
-                                           wr_id=wc.wr_id, opcode=wc.opcode))
-
-
 class CQReactor:
     """Completion dispatch for one device context on one event loop.
 
@@ -114,6 +98,13 @@ class CQReactor:
     _instances: ClassVar[weakref.WeakValueDictionary[tuple[int, int], CQReactor]] = (
         weakref.WeakValueDictionary())
 
+    # the wr_id table's (``WRTable``), bound once in __init__
+    register: Callable[[Handler, Any], int]
+    unregister: Callable[[int], None]
+    unregister_owner: Callable[[object], int]
+    attach_engine: Callable[[int, MessageEngine], None]
+    detach_engine: Callable[[int], None]
+
     def __init__(self, ctx: Context, loop: asyncio.AbstractEventLoop, *, mode: str | None = None,
                  spin_us: int | None = None, cq_size: int = 4096) -> None:
         self.ctx = ctx
@@ -121,9 +112,13 @@ class CQReactor:
         self.schedule = PollSchedule(self, *poll_settings(mode, spin_us))
         self.cq_size = cq_size
         self._slots: list[_CQSlot] = []
-        self._table: dict[int, tuple[Handler, Any]] = {}
-        self._engines: dict[int, MessageEngine] = {}  # qp_num -> engine (its own wr_ids)
-        self._next_wr_id = 1
+        self.wrs = WRTable(self._handler_raised)
+        self._engines = self.wrs.engines  # (poll_dispatch's, read per completion)
+        self.register = self.wrs.register
+        self.unregister = self.wrs.unregister
+        self.unregister_owner = self.wrs.unregister_owner
+        self.attach_engine = self.wrs.attach_engine
+        self.detach_engine = self.wrs.detach_engine
         self.closed = False
         self._expedite = False
         self.dispatching = False  # a dispatch is on the stack (no in-place poll then)
@@ -132,9 +127,8 @@ class CQReactor:
         self.polls = 0
         self.arms = 0
         self.completions = 0
-        self.unknown_wr_ids = 0
         # what every wake-up passes on, bound once (not a bound method made per call)
-        self._dispatch_one_cb: Callable[[WC], None] = self._dispatch_one
+        self._dispatch_one_cb: Callable[[WC], None] = self.wrs.dispatch_one
         self._handler_raised_cb: Callable[[BaseException], None] = self._handler_raised
         self._flush_cb: Callable[[_CQSlot], None] = self._flush
         self._call_soon: Callable[..., Any] = loop.call_soon
@@ -195,39 +189,10 @@ class CQReactor:
                 slot.reserved = max(0, slot.reserved - 2 * entries)
                 return
 
-    # -- wr_id table ---------------------------------------------------------------
-    def register(self, handler: Handler, arg: Any) -> int:
-        """A new wr_id whose completion will call ``handler(wc, arg)`` once."""
-        wr_id = self._next_wr_id
-        self._next_wr_id = wr_id + 1
-        self._table[wr_id] = (handler, arg)
-        return wr_id
-
-    def attach_engine(self, qp_num: int, engine: MessageEngine) -> None:
-        """Completions of QP ``qp_num`` whose wr_id the engine made (``WR_ENGINE``) go to
-        ``engine``: in C where the CQ has a C-level poll (``poll_dispatch``), else as
-        ``engine.on_completion(wc)``."""
-        self._engines[qp_num] = engine
-
-    def detach_engine(self, qp_num: int) -> None:
-        """Forget QP ``qp_num``'s engine (its later completions are unknown wr_ids)."""
-        self._engines.pop(qp_num, None)
-
-    def unregister(self, wr_id: int) -> None:
-        """Forget a wr_id that was never posted (post refused)."""
-        self._table.pop(wr_id, None)
-
-    def unregister_owner(self, owner: object) -> int:
-        """Forget every wr_id whose handler is a method of ``owner`` (an endpoint that
-        destroys its QP before its flush completions arrived). Returns how many; O(table)."""
-        mine = [w for w, (h, _a) in self._table.items() if getattr(h, "__self__", None) is owner]
-        for wr_id in mine:
-            del self._table[wr_id]
-        return len(mine)
-
     @property
     def outstanding(self) -> int:
-        return len(self._table)
+        """How many registered wr_ids have not completed yet."""
+        return self.wrs.outstanding()
 
     @property
     def in_use(self) -> bool:
@@ -384,29 +349,9 @@ class CQReactor:
         self.completions += len(wcs)
         self.dispatching = True
         try:
-            for wc in wcs:
-                try:
-                    if wc.wr_id & WR_ENGINE:
-                        engine = self._engines.get(wc.qp_num)
-                        if engine is not None:
-                            engine.on_completion(wc)
-                            continue
-                    self._dispatch_one(wc)
-                except Exception as exc:  # a bug in a handler must not stop the dispatch
-                    self._handler_raised(exc)
+            self.wrs.dispatch(wcs)
         finally:
             self.dispatching = False
-
-    def _dispatch_one(self, wc: WC) -> None:
-        """The handler registered for ``wc``'s wr_id (``register``), if any."""
-        table = self._table
-        wr_id = wc.wr_id
-        entry = table.get(wr_id)  # (get and del: C calls; dict.pop is a method call)
-        if entry is None:
-            self.unknown_wr_ids += 1
-            return
-        del table[wr_id]
-        entry[0](wc, entry[1])
 
     def _handler_raised(self, exc: BaseException) -> None:
         self.loop.call_exception_handler({
@@ -457,13 +402,7 @@ class CQReactor:
 
     def _fail_all(self, exc: BaseException) -> None:
         """CQ overrun: completions are lost; fail every waiter (never expected)."""
-        table, self._table = self._table, {}
-        for wr_id, (handler, arg) in table.items():
-            wc = WC(wr_id, WCStatus.GENERAL_ERR, 0)  # type: ignore[arg-type]
-            try:
-                handler(wc, arg)
-            except Exception:
-                pass
+        self.wrs.fail_all()
         self.loop.call_exception_handler({"message": "aiordma: CQ overrun", "exception": exc})
 
     # -- lifecycle -------------------------------------------------------------------
@@ -483,9 +422,9 @@ class CQReactor:
             "arms": self.arms,
             "completions": self.completions,
             "completions_per_wakeup": self.completions / self.wakeups if self.wakeups else 0.0,
-            "outstanding": len(self._table),
+            "outstanding": self.wrs.outstanding(),
             "cqs": len(self._slots),
-            "unknown_wr_ids": self.unknown_wr_ids,
+            "unknown_wr_ids": self.wrs.unknown_wr_ids,
         }
 
     def ack_pending(self) -> None:
@@ -519,8 +458,8 @@ class CQReactor:
             slot.channel.close()
         self._slots.clear()
         self.schedule.cqs_changed(0)
-        self._table.clear()
+        self.wrs.clear()
 
     def __repr__(self) -> str:
         return (f"<CQReactor {self.ctx.name} mode={self.mode} spin_us={self.spin_us} "
-                f"cqs={len(self._slots)} outstanding={len(self._table)}>")
+                f"cqs={len(self._slots)} outstanding={self.wrs.outstanding()}>")

@@ -77,6 +77,7 @@ MODULES: tuple[str, ...] = (
     "aiordma.lifecycle",
     "aiordma.protocol.state",
     "aiordma.cq_reactor",
+    "aiordma.wr_table",
     "aiordma.poll_schedule",
     "aiordma.spin_policy",
     "aiordma.memory",

@@ -21,6 +21,7 @@ LAYERS: dict[str, int] = {
     "options": 2,
     "acceptor": 2,
     "cq_reactor": 3,
+    "wr_table": 3,  # who receives a completion: the reactor's wr_id handlers and engines
     "poll_schedule": 3,  # the reactor's poll modes (it imports CQReactor for types only)
     "spin_policy": 2,
     "device": 4,
