@@ -1,7 +1,8 @@
 """The ``pyverbs-async`` baseline: the floor of an asyncio program over pyverbs.
 
-The same verbs objects and work requests as ``aiordma/bench/pyverbs_sync.py`` (one RC QP,
-WRs built once and re-posted), driven the way an asyncio library has to at the least:
+The same verbs objects and work requests as ``aiordma/bench/pyverbs_sync.py``
+(``pyverbs_qp.PyverbsQP``: one RC QP, WRs built once and re-posted), driven the way an
+asyncio library has to at the least:
 each operation awaits a Future that a CQ poller resolves, and the poller runs on the
 event loop, re-scheduled with ``call_soon`` every loop iteration while anything is
 awaited (a busy poll: no completion channel, no sleep). Nothing else: no framing,
@@ -31,7 +32,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from .common import Config, bounded, exchange_lines, exchange_server, windowed
-from .pyverbs_sync import RQ_DEPTH, _Verbs
+from .pyverbs_qp import RQ_DEPTH, PyverbsQP
 
 _SEND_ID = 1
 _RECV_ID = 2
@@ -47,7 +48,7 @@ class _Poller:
     runs for every receive. An error completion fails every waiter with RuntimeError.
     """
 
-    def __init__(self, v: _Verbs, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, v: PyverbsQP, loop: asyncio.AbstractEventLoop) -> None:
         self.v = v
         self.loop = loop
         self.poll = v.cq.poll
@@ -146,7 +147,7 @@ class AioVerbsServer:
 
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
-        self.v: _Verbs | None = None
+        self.v: PyverbsQP | None = None
         self.poller: _Poller | None = None
         self._connected: asyncio.Future[None] | None = None
         self._xchg: asyncio.Server | None = None
@@ -157,7 +158,7 @@ class AioVerbsServer:
 
     async def start(self) -> dict[str, Any]:
         loop = asyncio.get_running_loop()
-        self.v = v = _Verbs(self.cfg)
+        self.v = v = PyverbsQP(self.cfg)
         self.poller = p = _Poller(v, loop)
         p.on_recv = self._count
         self._connected = loop.create_future()
@@ -252,12 +253,12 @@ class AioVerbsClient:
     def __init__(self, cfg: Config, info: dict[str, Any]) -> None:
         self.cfg = cfg
         self.info = info
-        self.v: _Verbs | None = None
+        self.v: PyverbsQP | None = None
         self.peer: dict[str, Any] = {}
         self.poller: _Poller | None = None
 
     async def connect(self) -> None:
-        self.v = v = _Verbs(self.cfg)
+        self.v = v = PyverbsQP(self.cfg)
         self.peer = await exchange_lines(self.info["host"], self.info["port"], v.info(),
                                          "pyverbs-async")
         v.connect(self.peer)
