@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .errors import completion_error
-from .protocol.engine import WR_ENGINE, MessageEngine
+from .protocol.engine import WR_ENGINE, EngineTable, MessageEngine
 from .verbs import WC, WCStatus
 
 __all__ = ["WRTable", "Handler", "future_handler"]
@@ -53,7 +53,7 @@ class WRTable:
 
     def __init__(self, report: Callable[[BaseException], None]) -> None:
         self.handlers: dict[int, tuple[Handler, Any]] = {}
-        self.engines: dict[int, MessageEngine] = {}  # qp_num -> engine (its own wr_ids)
+        self.engines = EngineTable()  # qp_num -> engine (for the wr_ids it made)
         self.report = report
         self.next_wr_id = 1
         self.unknown_wr_ids = 0  # completions whose wr_id had no handler (counted, dropped)
@@ -81,11 +81,11 @@ class WRTable:
     def attach_engine(self, qp_num: int, engine: MessageEngine) -> None:
         """Completions of QP ``qp_num`` whose wr_id the engine made (``WR_ENGINE``) go to
         ``engine``."""
-        self.engines[qp_num] = engine
+        self.engines.attach(qp_num, engine)
 
     def detach_engine(self, qp_num: int) -> None:
         """Forget QP ``qp_num``'s engine (its later completions are unknown wr_ids)."""
-        self.engines.pop(qp_num, None)
+        self.engines.detach(qp_num)
 
     def outstanding(self) -> int:
         """How many registered wr_ids have not completed yet."""

@@ -208,3 +208,10 @@ cdef class MessageEngine:
     cdef public Receiver rx
     cdef object _qp              # the QP the C path posts to (None: the port's methods)
     cdef c_qp_ops_t *_qp_ops
+
+
+cdef class EngineTable:
+    cdef dict engines            # qp_num -> MessageEngine
+    cdef uint32_t last_qp        # the QP last found, and its engine (None: nothing kept)
+    cdef MessageEngine last
+    cdef MessageEngine find(self, uint32_t qp_num)

@@ -60,10 +60,50 @@ cdef object make_wc(const c_wc_t *wc):
               wc.imm_data, wc.qp_num, wc.src_qp, wc.wc_flags)
 
 
-def poll_dispatch(cq, ops, dict engines, int budget, other, report):
+cdef class EngineTable:
+    """The engines of a reactor's QPs, by qp_num: where ``poll_dispatch`` (and the
+    reactor's Python dispatch, through ``get``) sends the completions of the wr_ids an
+    engine made. The entry found last is kept, so a run of completions of one
+    connection looks nothing up; ``attach`` and ``detach`` drop it (a handler may
+    detach an engine in the middle of a batch: its later completions are then no
+    engine's)."""
+
+    def __cinit__(self):
+        self.engines = {}
+        self.last = None
+
+    def attach(self, qp_num, MessageEngine engine not None):
+        """Completions of QP ``qp_num`` with an engine's wr_id go to ``engine``."""
+        self.engines[qp_num] = engine
+        self.last = None
+
+    def detach(self, qp_num):
+        """Forget QP ``qp_num``'s engine (nothing happens if it has none)."""
+        self.engines.pop(qp_num, None)
+        self.last = None
+
+    def get(self, qp_num):
+        """QP ``qp_num``'s engine, or None."""
+        return self.engines.get(qp_num)
+
+    def __len__(self):
+        return len(self.engines)
+
+    cdef MessageEngine find(self, uint32_t qp_num):
+        if self.last is not None and self.last_qp == qp_num:
+            return self.last
+        found = self.engines.get(qp_num)
+        if found is None:
+            return None
+        self.last = <MessageEngine>found
+        self.last_qp = qp_num
+        return self.last
+
+
+def poll_dispatch(cq, ops, EngineTable engines not None, int budget, other, report):
     """Poll up to ``budget`` completions through a CQ's C-level operations (``ops``
-    and ``cq``: the capsule and the target of its ``c_ops()``) and dispatch each, in order: one of an engine's
-    wr_ids to the engine of its QP (``engines``: qp_num -> MessageEngine), any other
+    and ``cq``: the capsule and the target of its ``c_ops()``) and dispatch each, in
+    order: one of an engine's wr_ids to the engine of its QP (``engines``), any other
     as a ``WC`` to ``other(wc)``. An exception a handler raises goes to
     ``report(exc)`` and the dispatch goes on. Returns how many were polled; raises
     what the poll raises (CQOverrunError)."""
@@ -77,11 +117,10 @@ def poll_dispatch(cq, ops, dict engines, int budget, other, report):
         wc = &wcs[i]
         try:
             if wc.wr_id & WR_ENGINE_C:
-                found = engines.get(wc.qp_num)  # (per completion: a handler may detach one)
-                if found is None:
+                eng = engines.find(wc.qp_num)  # (per completion: a handler may detach one)
+                if eng is None:
                     other(make_wc(wc))
                     continue
-                eng = <MessageEngine>found
                 if wc.wr_id & WR_RECV_C:
                     eng.rx.on_wc_c(wc, <int>(wc.wr_id & <uint64_t>0xFFFFFFFF))
                 else:
