@@ -9,7 +9,6 @@
 # comment says otherwise; the GIL makes each C-level update atomic for Python threads.
 
 from cpython.object cimport PyObject
-from cpython.pythread cimport PyThread_type_lock
 from libc.stdint cimport int64_t, uint8_t, uint16_t, uint32_t, uint64_t
 
 from aiordma.verbs.cverbs cimport c_cq_ops_t, c_qp_ops_t, c_recv_wr_t, c_send_wr_t, c_wc_t
@@ -86,8 +85,19 @@ ctypedef struct cqe_t:
     int release
 
 
+cdef extern from "<semaphore.h>" nogil:
+    ctypedef struct sem_t:
+        pass
+    int sem_init(sem_t *sem, int pshared, unsigned int value)
+    int sem_destroy(sem_t *sem)
+    int sem_wait(sem_t *sem)
+    int sem_trywait(sem_t *sem)
+    int sem_post(sem_t *sem)
+
+
 cdef class DeviceLock:
-    cdef PyThread_type_lock _lock
+    cdef sem_t _sem
+    cdef bint _ready
     cdef int acquire_c(self) except -1
     cdef void release_c(self) noexcept
 
