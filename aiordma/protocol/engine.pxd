@@ -180,6 +180,7 @@ cdef class Receiver:
     cdef c_recv_wr_t *_crwrs     # the C path's chain (one per receive buffer)
     cdef int on_wc_c(self, const c_wc_t *wc, int slot) except -1
     cdef int _on_frame(self, int slot, int opcode, uint32_t imm, Py_ssize_t byte_len) except -1
+    cdef int post_c(self, list slots) except -1
     cdef int repost_c(self, int slot) except -1
     cdef int flush_reposts_c(self) except -1
     cdef int consume_data_c(self, Rx rx) except -1

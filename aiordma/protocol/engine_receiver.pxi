@@ -62,6 +62,9 @@ cdef class Receiver:
     def post(self, list slots):
         """Post receive buffers ``slots`` (one post for all). Raises RDMAError (then
         none was posted, and the slots are free again)."""
+        self.post_c(slots)
+
+    cdef int post_c(self, list slots) except -1:
         cdef MessageEngine e = self.e
         cdef Slots rpool = self.rpool
         cdef int i, n = len(slots), slot
@@ -83,6 +86,7 @@ cdef class Receiver:
                     rpool.release_c(slot)
                 raise
         self.posted += n
+        return 0
 
     def repost(self, int slot):
         """Give a consumed receive buffer back to the peer (one more credit owed)."""
@@ -113,7 +117,7 @@ cdef class Receiver:
                 self.rpool.release_c(slot)
             return 0
         try:
-            self.post(slots)
+            self.post_c(slots)
         except RDMAError as exc:
             e.fail(exc)
             return 0
