@@ -103,7 +103,7 @@ class Endpoint:
         self._take_data: Callable[[], bytes | None] = self._engine.rx.take_data
         self._take_into: Callable[[Any], int] = self._engine.rx.take_into
         self._rx: Any = self._engine.rx
-        self._rxq: Any = self._engine.rx.rx  # the received messages (a deque, kept)
+        self._rxq: Any = self._engine.rx.rx  # the received messages (a Fifo, kept)
         self._life = Lifecycle(self, loop, self._engine, res, opts.close_timeout)
         self._one = OneSided(self)
         self._rcv = Receiving(self)

@@ -11,13 +11,12 @@ every piece runs, and the buffers stay pinned until they complete.
 from __future__ import annotations
 
 import asyncio
-from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final
 
 from .errors import ConnectionClosed
 from .memory import LocalSpan, RemoteBuffer
-from .protocol.engine import IMM, READ, WRITE, Op, atomic_op, rdma_op
+from .protocol.engine import IMM, READ, WRITE, Fifo, Op, atomic_op, rdma_op
 from .protocol.state import Remote
 from .verbs import SendWR, WROpcode
 from .waiters import new_future
@@ -55,7 +54,7 @@ class OneSided:
         # the per-operation calls, bound once (not looked up by name each time)
         self._future_kw = ep._future_kw
         self._kick: Callable[[], None] = ep._engine.tx.kick
-        self._oneq: deque[Op] = ep._engine.tx.oneq  # (the engine's, never replaced)
+        self._oneq: Fifo[Op] = ep._engine.tx.oneq  # (the engine's, never replaced)
 
     def _new_future(self) -> asyncio.Future[Any]:
         """The future an operation's caller awaits (``waiters.new_future``)."""
@@ -161,7 +160,7 @@ class OneSided:
                              f"range of {remote.length}")
         return span
 
-    async def _submit(self, q: deque[Op], op: Op) -> Any:
+    async def _submit(self, q: Fifo[Op], op: Op) -> Any:
         """Queue ``op`` on ``q``, post what resources allow, wait for its completion.
 
         Cancelled before it was posted: removed, never sent. Cancelled after: it runs
@@ -179,7 +178,7 @@ class OneSided:
                 self._engine.tx.unqueue(q, op)
             raise
 
-    async def _submit_chunks(self, q: deque[Op], kind: int, wrs: list[SendWR],
+    async def _submit_chunks(self, q: Fifo[Op], kind: int, wrs: list[SendWR],
                              span: LocalSpan, *, last_kind: int | None = None) -> None:
         """``_submit`` for an operation posted as several work requests (``wr_chunks``),
         in order on ``q``: the last one (of ``last_kind``, default ``kind``) carries the

@@ -123,16 +123,25 @@ cdef class EnginePort:
     cdef public bint destroyed
 
 
+cdef class Fifo:
+    cdef list _items             # the ring (a power of two of places; None where empty)
+    cdef Py_ssize_t _head
+    cdef readonly Py_ssize_t n   # how many items it holds
+    cdef int push_c(self, object obj) except -1
+    cdef object pop_c(self)
+    cdef object head_c(self)
+    cdef list _snapshot(self)
+    cdef int _rebuild(self, list items, Py_ssize_t cap) except -1
+
+
 cdef class Sender:
     cdef MessageEngine e
     cdef public Slots spool
     cdef public list frame_wrs
     cdef public SendQueue sq
-    cdef public object ctrlq
-    cdef public object oneq
-    cdef public object sendq
-    cdef object _sendq_append   # sendq's bound methods: no method lookup per message
-    cdef object _sendq_popleft
+    cdef readonly Fifo ctrlq
+    cdef readonly Fifo oneq
+    cdef readonly Fifo sendq
     cdef public dict rndv_out
     cdef uint32_t _msg_ids
     cdef public bint in_tick
@@ -164,11 +173,9 @@ cdef class Receiver:
     cdef bint _direct
     cdef public long posted
     cdef list _repost_q
-    cdef public object rx
-    cdef object _rx_append      # rx's bound methods: no method lookup per message
-    cdef object _rx_popleft
+    cdef readonly Fifo rx
     cdef public list rx_waiters
-    cdef public object imm
+    cdef readonly Fifo imm
     cdef public list imm_waiters
     cdef public int receivers
     cdef public int64_t prefetched

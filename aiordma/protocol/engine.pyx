@@ -11,6 +11,7 @@ Python one):
 * ``engine_credits``  -- ``CreditState``: receive-credit flow control (its rules)
 * ``engine_framing``  -- the 8-byte frame header of every SEND: writers and the parser
 * ``engine_ops``      -- ``Op`` and ``Rx``: the records of operations and received messages
+* ``engine_fifo``     -- ``Fifo``: the queues of ops and of received messages
 * ``engine_sendq``    -- ``SendQueue``: send-queue accounting with selective signaling
 * ``engine_sender``   -- ``Sender``: the send queues, what to post when, the frames
 * ``engine_sent``     -- what a send completion finishes (the Sender's completions)
@@ -79,6 +80,7 @@ include "engine_slots.pxi"
 include "engine_credits.pxi"
 include "engine_framing.pxi"
 include "engine_ops.pxi"
+include "engine_fifo.pxi"
 include "engine_sendq.pxi"
 include "engine_core.pxi"
 include "engine_sender.pxi"

@@ -298,7 +298,7 @@ cdef class MessageEngine:
         """Work somebody waits for: posted and awaited, queued, or rendezvous sends
         waiting for RNDV_DONE."""
         tx = self.tx
-        return bool(tx.sq.awaited or tx.sendq or tx.oneq or tx.ctrlq or tx.rndv_out)
+        return bool(tx.sq.awaited or tx.sendq.n or tx.oneq.n or tx.ctrlq.n or tx.rndv_out)
 
     def closed_error(self):
         """The ConnectionClosed for an operation refused or failed now (``__cause__``:

@@ -38,11 +38,9 @@ cdef class Receiver:
         self._direct = True  # the last receiver's READ went into its buffer (assumed)
         self.posted = 0  # receive WRs posted and not completed
         self._repost_q = []
-        self.rx = deque()  # (never replaced: its bound methods are kept)
-        self._rx_append = self.rx.append
-        self._rx_popleft = self.rx.popleft
+        self.rx = Fifo()
         self.rx_waiters = []
-        self.imm = deque()
+        self.imm = Fifo()
         self.imm_waiters = []
         self.receivers = 0  # recv/recv_into calls in progress (maintained by the caller)
         self.prefetched = 0  # bytes of rendezvous messages read ahead into staging
@@ -168,7 +166,7 @@ cdef class Receiver:
             e.port.check_drained()
             return 0
         if opcode == WCOP_RECV_RDMA_WITH_IMM_:
-            self.imm.append(imm)
+            self.imm.push_c(imm)
             wake_c(self.imm_waiters)
             self.repost_c(slot)
             return 0
@@ -191,7 +189,7 @@ cdef class Receiver:
             e.fail(exc)
             return 0
         if ftype == T_DATA:
-            self._rx_append(new_rx(R_DATA, slot, base + f.payload_offset, f.payload_len))
+            self.rx.push_c(new_rx(R_DATA, slot, base + f.payload_offset, f.payload_len))
             if self.rx_waiters:
                 wake_c(self.rx_waiters)
         elif ftype == T_BATCH:
@@ -203,10 +201,9 @@ cdef class Receiver:
                 e.fail(exc)
                 return 0
             # one buffer, many messages: the last one's consumption re-posts it
-            rxq = self.rx
             last = len(records) - 1
             for i, (off, n) in enumerate(records):
-                rxq.append(new_rx(R_DATA, slot if i == last else -1, base + off, n))
+                self.rx.push_c(new_rx(R_DATA, slot if i == last else -1, base + off, n))
             wake_c(self.rx_waiters)
             # a burst: the sender waits for this frame's acknowledgement to send more,
             # and no answer will carry it soon
@@ -227,19 +224,19 @@ cdef class Receiver:
             if e.close_watch:
                 e.port.maybe_closed()
         elif ftype == T_CLOSE:
-            self.rx.append(new_rx(R_EOF, -1, 0, 0))
+            self.rx.push_c(new_rx(R_EOF, -1, 0, 0))
             self.repost_c(slot)
             wake_c(self.rx_waiters)
             wake_c(self.imm_waiters)
         else:  # CREDIT
             self.repost_c(slot)
         tx = e.tx
-        if tx.sendq or tx.ctrlq:
+        if tx.sendq.n or tx.ctrlq.n:
             tx.pump_c()
         return 0
 
     def _on_rndv(self, rx, slot):
-        self.rx.append(rx)
+        self.rx.push_c(rx)
         self.repost_c(slot)
         if self.rx_waiters:
             wake(self.rx_waiters)  # the waiting receiver picks the destination
@@ -298,9 +295,9 @@ cdef class Receiver:
         failed, else None; raises ValueError once the receive buffers are gone."""
         cdef Rx rx
         cdef Slots rpool = self.rpool
-        if not self.rx or self.e.state.failed:
+        if not self.rx.n or self.e.state.failed:
             return None
-        rx = self.rx[0]
+        rx = self.rx.head_c()
         if rx.kind != R_DATA:
             return None
         if rpool.mem == NULL or rx.offset + rx.length > rpool._size:
@@ -312,7 +309,7 @@ cdef class Receiver:
         self.consume_data_c(rx)
 
     cdef int consume_data_c(self, Rx rx) except -1:
-        self._rx_popleft()
+        self.rx.pop_c()
         self.messages_received += 1
         self.bytes_received += rx.length
         if rx.slot >= 0:  # -1: a BATCH message whose buffer a later one re-posts
@@ -322,7 +319,7 @@ cdef class Receiver:
     def consume_rndv(self, Rx rx):
         """The application took rendezvous message ``rx``: release its staging, tell the
         sender (RNDV_DONE) unless that went already."""
-        self.rx.popleft()
+        self.rx.pop_c()
         self.messages_received += 1
         self.bytes_received += rx.length
         if rx.staging is not None:
@@ -356,7 +353,7 @@ cdef class Receiver:
         tx = e.tx
         last = len(wrs) - 1
         for i, wr in enumerate(wrs):
-            tx.oneq.append(Op(K_RNDV_READ, fut if i == last else None, wr=wr, keep=target))
+            tx.oneq.push_c(Op(K_RNDV_READ, fut if i == last else None, wr=wr, keep=target))
         tx.kick()
         if rx.staging is not None:
             port.when_done(fut, lambda ok: self._staged(rx, ok))

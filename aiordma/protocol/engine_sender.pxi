@@ -45,11 +45,9 @@ cdef class Sender:
         self.spool = spool
         self.frame_wrs = frame_wrs
         self.sq = sq
-        self.ctrlq = deque()
-        self.oneq = deque()
-        self.sendq = deque()  # (never replaced: its bound methods are kept)
-        self._sendq_append = self.sendq.append
-        self._sendq_popleft = self.sendq.popleft
+        self.ctrlq = Fifo()
+        self.oneq = Fifo()
+        self.sendq = Fifo()
         self.rndv_out = {}  # msg_id -> its RNDV op, until RNDV_DONE
         self._msg_ids = 0
         self.in_tick = False  # the post fast path was used since the last completion
@@ -70,7 +68,7 @@ cdef class Sender:
 
     @property
     def queued(self):
-        return len(self.sendq) + len(self.oneq) + len(self.ctrlq)
+        return self.sendq.n + self.oneq.n + self.ctrlq.n
 
     # ---------------------------------------------------------------- posting
     def kick(self):
@@ -111,19 +109,19 @@ cdef class Sender:
             return 0
         batch = []
         room = self.sq.depth - self.sq._n
-        while self.ctrlq and room > len(batch) and spool._nfree:
-            op = self.ctrlq[0]
+        while self.ctrlq.n and room > len(batch) and spool._nfree:
+            op = self.ctrlq.head_c()
             if op.payload[0] == T_CLOSE:
                 credits.consume_close_c()  # its credit is held for it: never waits
             elif credits.can_send_control():
                 credits.consume_c(True)
             else:
                 break
-            self.ctrlq.popleft()
+            self.ctrlq.pop_c()
             self._build_ctrl(op)
             batch.append(op)
-        while self.oneq and room > len(batch):
-            op = self.oneq[0]
+        while self.oneq.n and room > len(batch):
+            op = self.oneq.head_c()
             if op.kind == K_ATOMIC:  # its result lands in a send buffer
                 if not spool._nfree:
                     break
@@ -135,24 +133,24 @@ cdef class Sender:
                 else:
                     e.port.set_atomic_target(op.wr, spool.base + slot * spool.slot_size,
                                              spool.lkey)
-            self.oneq.popleft()
+            self.oneq.pop_c()
             batch.append(op)
-        while self.sendq and room > len(batch) and credits.can_send_data():
-            op = self.sendq[0]
+        while self.sendq.n and room > len(batch) and credits.can_send_data():
+            op = self.sendq.head_c()
             kind = op.kind
             if kind == K_DATA or kind == K_RNDV:
                 if not spool._nfree:
                     break
-                self._sendq_popleft()
+                self.sendq.pop_c()
                 credits.consume_c(False)
                 if kind == K_RNDV:
                     self._build_rndv(op)
-                elif e.batching and self.sendq and (<Op>self.sendq[0]).kind == K_DATA:
+                elif e.batching and self.sendq.n and (<Op>self.sendq.head_c()).kind == K_DATA:
                     op = self._build_batch(op)
                 else:
                     self._build_data(op)
             else:  # IMM takes a credit; WRITE (a leading piece of a long one) none
-                self._sendq_popleft()
+                self.sendq.pop_c()
                 if kind == K_IMM:
                     credits.consume_c(False)
             batch.append(op)
@@ -209,17 +207,17 @@ cdef class Sender:
         cdef Py_ssize_t room, n, off
         cdef int slot
         cdef unsigned char *p
-        sendq = self.sendq
+        cdef Fifo sendq = self.sendq
         room = self.e.eager - C_HEADER_SIZE - C_BATCH_RECORD - op_payload_len(first)
         members = [first]
-        while sendq:
-            op = sendq[0]
+        while sendq.n:
+            op = sendq.head_c()
             if op.kind != K_DATA:
                 break
             room -= C_BATCH_RECORD + op_payload_len(op)
             if room < 0:
                 break
-            members.append(self._sendq_popleft())
+            members.append(sendq.pop_c())
         if len(members) == 1:
             self._build_data(first)
             return first
@@ -418,7 +416,7 @@ cdef class Sender:
 
     cdef Op queue_op_c(self, Op op):
         """Queue the DATA op ``op`` (its payload set) and post what can go; returns it."""
-        self._sendq_append(op)
+        self.sendq.push_c(op)
         self.kick_c()
         return op
 
@@ -426,7 +424,7 @@ cdef class Sender:
         """Queue a control frame (CLOSE completes ``fut``) and post what can go."""
         if self.e.state.failed:
             return
-        self.ctrlq.append(Op(K_CTRL, fut, payload=(ftype, arg)))
+        self.ctrlq.push_c(Op(K_CTRL, fut, payload=(ftype, arg)))
         self.kick_c()
 
     @staticmethod
@@ -460,9 +458,10 @@ cdef class Sender:
     def fail_queued(self, error):
         """Drop every operation not posted yet (control, one-sided and send queues):
         release its rendezvous source and fail its waiter with ``error()``."""
+        cdef Fifo q
         for q in (self.ctrlq, self.oneq, self.sendq):
-            while q:
-                op = q.popleft()
+            while q.n:
+                op = q.pop_c()
                 if op.kind == K_RNDV:
                     self.e.port.release_source(op.payload)
                 if op.fut is not None and not op.fut.done():

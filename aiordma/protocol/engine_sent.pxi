@@ -80,7 +80,7 @@ cdef inline int sent_after(Sender tx, MessageEngine e) except -1:
     port = e.port
     if e.state.failed:
         port.check_drained()
-    elif tx.sendq or tx.oneq or tx.ctrlq:
+    elif tx.sendq.n or tx.oneq.n or tx.ctrlq.n:
         tx.pump_c()
     if e.close_watch:
         port.maybe_closed()
