@@ -47,7 +47,6 @@ from aiordma.verbs.cverbs cimport (
 
 import itertools
 import struct
-from collections import deque
 from enum import IntEnum
 from typing import Protocol
 
