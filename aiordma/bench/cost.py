@@ -7,11 +7,12 @@ counts the same program the same way whatever else runs. The client is run twice
 callgrind, with ``N1`` and ``N2`` round trips after the same warm-up; the difference
 of the two totals divided by ``N2 - N1`` is the cost of one round trip, without the
 start-up, the handshake and the exit (every thread of the client is counted: the
-``soft`` device's own work is part of the cost). The difference spans 2,000 round trips:
-a garbage collection or a table's growth that lands in one run and not the other then
-moves the figure by tens of instructions, where over 500 it moved it by up to a
-thousand. The server runs normally. Every
-process gets ``PYTHONHASHSEED=0`` unless the environment sets one (see ``_env``).
+``soft`` device's own work is part of the cost). The difference spans 2,000 round trips,
+so what lands in one run and not the other (a garbage collection, a table's growth, the
+two processes interleaving otherwise) weighs a quarter of what it did over 500; three
+runs of one build still differ by up to several hundred instructions per round trip.
+The server runs normally. Every process gets ``PYTHONHASHSEED=0`` unless the
+environment sets one (see ``_env``).
 
 Both clients do the same per round trip: send 64 bytes, then await the reply as one
 message (``await ep.send(); await ep.recv()`` against a Protocol whose
