@@ -144,21 +144,30 @@ async def test_polling_waits_in_place(opts: dict) -> None:
 async def test_polling_in_place_budget_follows_a_late_message(opts: dict, how: str) -> None:
     """A receive whose in-place wait ran out and whose message came long after (the
     peer sends 5 ms later) raises the in-place budget to the cap, 10x ``spin_us``
-    (poll_schedule.py): both receive paths report the turnaround."""
+    (poll_schedule.py): both receive paths report the turnaround. Under load an
+    in-place wait may not run out (the spin went quiet after a preemption, or a
+    preemption longer than the peer's delay let it catch the message): such a try
+    proves nothing and is made again, four tries at most."""
     async with pair(opts, poll_mode="polling", spin_us=300) as (ep, q):
         srv = await server_ep(q)
         assert ep.statistics()["reactor"]["in_place_budget_us"] == 300
-        sent = []
-        asyncio.get_running_loop().call_later(
-            0.005, lambda: sent.append(asyncio.ensure_future(srv.send(b"late"))))
-        misses = ep._reactor.schedule.in_place_missed
-        if how == "recv":
-            assert await asyncio.wait_for(ep.recv(), T) == b"late"
+        sched = ep._reactor.schedule
+        for _try in range(4):
+            sent: list[asyncio.Future[None]] = []
+            asyncio.get_running_loop().call_later(
+                0.005, lambda sent=sent: sent.append(asyncio.ensure_future(srv.send(b"late"))))
+            misses = sched.in_place_missed
+            if how == "recv":
+                assert await asyncio.wait_for(ep.recv(), T) == b"late"
+            else:
+                assert await asyncio.wait_for(ep.recv_into(bytearray(8)), T) == 4
+            await asyncio.wait_for(sent[0], T)
+            st = ep.statistics()["reactor"]
+            if st["in_place_missed"] == misses + 1:
+                assert st["in_place_budget_us"] == 3000, st
+                break
         else:
-            assert await asyncio.wait_for(ep.recv_into(bytearray(8)), T) == 4
-        await asyncio.wait_for(sent[0], T)
-        st = ep.statistics()["reactor"]
-        assert st["in_place_missed"] == misses + 1 and st["in_place_budget_us"] == 3000, st
+            pytest.fail(f"no in-place wait ran out in four tries: {ep.statistics()['reactor']}")
 
 
 async def test_a_second_poll_mode_on_the_same_loop_is_refused(opts: dict) -> None:
