@@ -21,6 +21,7 @@ from aiordma.protocol.engine import (
     Op,
     batch_records,
     parse_frame,
+    write_batch,
     write_close,
     write_data_header,
 )
@@ -204,6 +205,48 @@ def test_received_data_is_queued_and_buffers_come_back_in_batches() -> None:
     assert len(port.recvs) == reposted  # fewer than repost_batch (4) wait
     e.rx.consume_data(e.rx.rx[0])
     assert len(port.recvs) == reposted + 4 and e.credits.owed == 4  # type: ignore[union-attr]
+
+
+def test_a_received_batch_queues_its_messages_in_order_and_reposts_its_buffer_once() -> None:
+    """Each message of a BATCH frame is queued where it lies in the buffer; the buffer
+    goes back with its last message's consumption, once (the re-posts go repost_batch
+    = 4 buffers at a time, as for DATA frames)."""
+    e, _spool, rpool, port = connected()
+    batches = [[b"", b"a", b"bc" * 20, b"def"], [b"x"] * 3, [b"one"], [b"y" * 100, b"z"]]
+    slots = list(port.recvs)[:4]
+    for slot, msgs in zip(slots, batches, strict=True):
+        recv_frame(e, rpool, port, slot, lambda buf, msgs=msgs: write_batch(buf, 0, msgs))
+    rx = list(e.rx.rx)
+    assert [m.kind for m in rx] == [RX_DATA] * 10
+    assert [m.slot for m in rx] == [-1, -1, -1, slots[0], -1, -1, slots[1], slots[2], -1,
+                                    slots[3]]
+    assert [bytes(rpool.view[m.offset:m.offset + m.length]) for m in rx] == (
+        [m for msgs in batches for m in msgs])
+    reposted = len(port.recvs)
+    for m in rx[:-1]:
+        e.rx.consume_data(m)
+    assert len(port.recvs) == reposted  # three buffers back: fewer than repost_batch
+    e.rx.consume_data(rx[-1])
+    assert sorted(port.recvs[reposted:]) == sorted(slots)
+    assert e.rx.messages_received == 10 and not e.first_error
+
+
+@pytest.mark.parametrize("damage", ["short", "long", "too large"])
+def test_a_malformed_batch_fails_the_connection_and_queues_none_of_it(damage: str) -> None:
+    """A BATCH whose records do not fill the frame exactly, or one of whose messages
+    exceeds max_message_size, is a protocol violation: the connection fails and not one
+    of its messages reaches the receive queue, not even those before the bad record."""
+    e, _spool, rpool, port = connected()
+
+    def build(buf: bytearray) -> int:
+        n = write_batch(buf, 0, [b"ok", b"fine", b"z" * 64])
+        if damage == "too large":  # the last record says 2 MiB (max_message_size 1 MiB)
+            buf[n - 68:n - 64] = (2 << 20).to_bytes(4, "little")
+        return n - 1 if damage == "short" else n + 1 if damage == "long" else n
+
+    recv_frame(e, rpool, port, list(port.recvs)[0], build)
+    assert isinstance(e.first_error, RemoteProtocolError) and e.state.failed
+    assert len(e.rx.rx) == 0 and e.rx.messages_received == 0
 
 
 def test_take_into_copies_the_head_message_or_takes_nothing() -> None:

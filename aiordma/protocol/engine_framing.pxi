@@ -303,11 +303,15 @@ def parse_frame(buf, Py_ssize_t byte_len, int64_t max_message_size):
                  f.payload_len, f.rndv_length, f.rndv_addr, f.rndv_rkey)
 
 
-cdef list batch_records_c(const unsigned char *p, Py_ssize_t byte_len, uint32_t count,
-                          int64_t max_message_size):
+cdef int batch_check_c(const unsigned char *p, Py_ssize_t byte_len, uint32_t count,
+                       int64_t max_message_size) except -1:
+    """Check the ``count`` records of the BATCH frame at ``p`` (``byte_len`` bytes, its
+    header checked by ``parse_c``): each record header inside the frame, no message
+    over ``max_message_size``, the records filling the frame exactly. Returns 0; raises
+    ``RemoteProtocolError``. Allocates nothing: the receiver then walks the records
+    with ``batch_next_c``."""
     cdef Py_ssize_t off = C_HEADER_SIZE
     cdef uint32_t i, n
-    out = []
     for i in range(count):
         if off + C_BATCH_RECORD > byte_len:
             raise RemoteProtocolError(f"BATCH record header at {off} beyond the frame ({byte_len})")
@@ -317,12 +321,34 @@ cdef list batch_records_c(const unsigned char *p, Py_ssize_t byte_len, uint32_t 
             raise RemoteProtocolError(
                 f"BATCH message of {n} bytes exceeds max_message_size {max_message_size}"
             )
-        out.append((off, n))
         off += n
     if off != byte_len:
         raise RemoteProtocolError(
             f"BATCH records span {off} bytes, the frame carries {byte_len}"
         )
+    return 0
+
+
+cdef inline Py_ssize_t batch_next_c(const unsigned char *p, Py_ssize_t *off) noexcept:
+    """The next record of a BATCH frame checked by ``batch_check_c``: ``off`` at its
+    record header (``C_HEADER_SIZE`` for the first) moves to its payload; returns the
+    payload's length (the caller adds it to ``off`` for the next record)."""
+    cdef Py_ssize_t n = _get32(p + off[0])
+    off[0] += C_BATCH_RECORD
+    return n
+
+
+cdef list batch_records_c(const unsigned char *p, Py_ssize_t byte_len, uint32_t count,
+                          int64_t max_message_size):
+    cdef Py_ssize_t off = C_HEADER_SIZE
+    cdef Py_ssize_t n
+    cdef uint32_t i
+    batch_check_c(p, byte_len, count, max_message_size)
+    out = []
+    for i in range(count):
+        n = batch_next_c(p, &off)
+        out.append((off, n))
+        off += n
     return out
 
 

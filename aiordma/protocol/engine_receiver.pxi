@@ -158,7 +158,9 @@ cdef class Receiver:
         cdef MessageEngine e = self.e
         cdef CreditState credits
         cdef frame_t f
-        cdef Py_ssize_t base
+        cdef Py_ssize_t base, off, n
+        cdef const unsigned char *p
+        cdef uint32_t i, last
         cdef int ftype
         cdef ConnectionState st = e.state
         if st.failed:
@@ -193,17 +195,20 @@ cdef class Receiver:
             if self.rx_waiters:
                 wake_c(self.rx_waiters)
         elif ftype == T_BATCH:
-            try:
-                records = batch_records_c(self.rpool.ptr(slot), byte_len, f.aux,
-                                          e.max_message_size)
+            p = self.rpool.ptr(slot)
+            try:  # the whole frame is checked before any of its messages is queued
+                batch_check_c(p, byte_len, f.aux, e.max_message_size)
             except RemoteProtocolError as exc:
                 self.rpool.release_c(slot)
                 e.fail(exc)
                 return 0
             # one buffer, many messages: the last one's consumption re-posts it
-            last = len(records) - 1
-            for i, (off, n) in enumerate(records):
+            off = C_HEADER_SIZE
+            last = f.aux - 1
+            for i in range(f.aux):
+                n = batch_next_c(p, &off)
                 self.rx.push_c(new_rx(R_DATA, slot if i == last else -1, base + off, n))
+                off += n
             wake_c(self.rx_waiters)
             # a burst: the sender waits for this frame's acknowledgement to send more,
             # and no answer will carry it soon
