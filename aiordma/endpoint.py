@@ -35,7 +35,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Final
 
 from . import liveness
@@ -282,7 +282,6 @@ class Endpoint:
         copied (eager) or must not change until ``send`` returns (rendezvous from a
         registered region).
         """
-        e = self._engine
         fut: asyncio.Future[None] = new_future(self._loop, self._future_kw)
         op: Op | None = None
         if self._life.closing is None:
@@ -298,9 +297,40 @@ class Endpoint:
                 await fut
         except asyncio.CancelledError:
             if not op.posted:
-                e.tx.unqueue(e.tx.sendq, op)
+                self._snd.unqueue([op])
             raise
         self.messages_sent += 1
+        self.bytes_sent += n
+
+    async def send_many(self, messages: Iterable[Any]) -> None:
+        """Send each of ``messages`` (bytes-like objects) as one message, in order, as
+        that many ``send`` calls would: the peer receives them one by one, boundaries
+        kept. Returns when the peer's device has all of them. One wait for all: the
+        small ones cost no future and no task wake-up each.
+
+        Raises TypeError (an item not bytes-like), MessageTooLarge or ConnectionClosed
+        before anything is sent: every item is checked first. If cancelled, the
+        messages already handed to the device are delivered, each whole, and the rest
+        are not sent: the peer gets a prefix of ``messages``. An item must not change
+        until this returns.
+        """
+        msgs = messages if type(messages) is list else list(messages)
+        if not msgs:
+            return
+        loop, kw = self._loop, self._future_kw
+        ops, futs, n = self._snd.queue_many(msgs, lambda: new_future(loop, kw))
+        try:
+            if len(futs) == 1:
+                if self._reactor.waits:
+                    await self._reactor.wait(futs[0], ops[-1].posted)
+                else:
+                    await futs[0]
+            else:
+                await asyncio.gather(*futs)
+        except asyncio.CancelledError:
+            self._snd.unqueue(ops)
+            raise
+        self.messages_sent += len(msgs)
         self.bytes_sent += n
 
     async def recv(self) -> bytes:

@@ -12,10 +12,11 @@ wait.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final
 
 from .errors import ConnectionClosed, MessageTooLarge
-from .protocol.engine import RNDV, Op
+from .protocol.engine import RNDV, Op, check_messages
 from .protocol.state import Local, Remote
 from .verbs import Access
 
@@ -65,7 +66,7 @@ class Sending:
         if e.credits is None:
             raise ConnectionClosed("endpoint is not connected")
 
-    def queue(self, fut: asyncio.Future[None], data: Any) -> tuple[Op, int]:
+    def queue(self, fut: asyncio.Future[None] | None, data: Any) -> tuple[Op, int]:
         """Queue ``data`` where ``MessageEngine.send_eager`` did not: eagerly, or by
         rendezvous; ``fut`` completes as ``Endpoint.send`` says. Returns its op and
         size. Raises what ``Endpoint.send`` raises (TypeError, MessageTooLarge,
@@ -90,6 +91,74 @@ class Sending:
         tx.sendq.append(op)
         tx.kick()
         return op, n
+
+    def queue_many(self, msgs: list[Any], new_future: Callable[[], asyncio.Future[None]]
+                   ) -> tuple[list[Op], list[asyncio.Future[None]], int]:
+        """Queue each of ``msgs`` as one message, in order (``Endpoint.send_many``).
+
+        Every one is checked first (in C: ``check_messages``): raises TypeError (not
+        bytes-like, or not C-contiguous), MessageTooLarge or ConnectionClosed with
+        nothing queued. Then each is queued as ``send`` queues it, the engine's eager
+        path first; only the last one and those that path does not take (a rendezvous,
+        a buffer to cast) get a waiter (``new_future()``): eager messages complete in
+        order, each before the last, and a rendezvous completes on its own (the peer's
+        RNDV_DONE). Returns (the ops in order, the waiters, the bytes). A failure while
+        queueing (a staging buffer for a rendezvous, the connection failing) unqueues
+        what is not posted yet and raises: the messages posted by then are a prefix."""
+        e = self._engine
+        if not e.state.can_send or self._life.closing is not None or e.credits is None:
+            self.check()  # raises the precise error
+        limit = e.max_message_size
+        total, bad = check_messages(msgs, limit)
+        if bad >= 0:
+            n = flat_view(msgs[bad]).nbytes  # raises a bad item's TypeError
+            if n > limit:
+                raise MessageTooLarge(f"message {bad} of {n} bytes exceeds "
+                                      f"max_message_size {limit}", n)
+            raise TypeError("a C-contiguous buffer is required")
+        send_eager = e.send_eager
+        queue = self.queue
+        ops: list[Op] = []
+        futs: list[asyncio.Future[None]] = []
+        try:
+            for i in range(len(msgs) - 1):
+                m = msgs[i]
+                op = send_eager(None, m)
+                if op is None:  # a rendezvous (or a buffer to cast): a waiter of its own
+                    fut = new_future()
+                    futs.append(fut)
+                    op = queue(fut, m)[0]
+                ops.append(op)
+            fut = new_future()
+            futs.append(fut)
+            op = send_eager(fut, msgs[-1])
+            if op is None:
+                op = queue(fut, msgs[-1])[0]
+            ops.append(op)
+        except BaseException:
+            self.unqueue(ops)
+            for f in futs:
+                f.cancel()
+            raise
+        return ops, futs, total
+
+    def unqueue(self, ops: list[Op]) -> None:
+        """Take the ops of ``ops`` still on the send queue (not posted) off it, in one
+        pass whatever their number, releasing a rendezvous' staging copy: they are not
+        sent. Ops the engine already dropped (a failure) are left alone."""
+        drop = {id(op) for op in ops if not op.posted}
+        if not drop:
+            return
+        q = self._engine.tx.sendq
+        keep = []
+        for op in q:
+            if id(op) not in drop:
+                keep.append(op)
+            elif op.kind == RNDV:
+                self._res.release_source(op.payload)
+        if len(keep) < len(q):
+            q.clear()
+            q.extend(keep)
 
     def _rndv_source(self, mv: memoryview) -> Any:
         """A registered, remotely readable copy of (or view on) ``mv`` for rendezvous."""

@@ -729,6 +729,28 @@ async def test_cancelled_send_is_all_or_nothing(opts: dict) -> None:
         assert len(received) < 40  # the cancellations did drop queued messages
 
 
+async def test_a_send_cancelled_before_it_was_posted_gives_its_staging_copy_back(
+        opts: dict) -> None:
+    """A rendezvous send from unregistered memory leases a staging copy when queued;
+    cancelled while it waits for credits, it is not sent and the copy goes back to
+    the cache (every copy ever made is there once the posted ones completed)."""
+    async with pair(opts, recv_depth=4) as (ep, q):
+        srv = await server_ep(q)
+        tasks = [asyncio.ensure_future(ep.send(payload(40 * 1024, i))) for i in range(12)]
+        await asyncio.sleep(0)
+        for t in tasks[4:]:
+            t.cancel()
+        await asyncio.wait_for(asyncio.wait(tasks), T)
+        sent = [t for t in tasks if not t.cancelled()]
+        for _ in sent:
+            await asyncio.wait_for(srv.recv(), T)
+        await asyncio.wait_for(srv.send(b"ack"), T)  # after every RNDV_DONE
+        assert await asyncio.wait_for(ep.recv(), T) == b"ack"
+        staging = ep._res.staging_out
+        assert len(sent) < 12
+        assert staging.registrations == sum(len(lst) for lst in staging._free.values()) > 0
+
+
 async def test_graceful_close_delivers_everything_then_eof(opts: dict) -> None:
     async with pair(opts) as (ep, q):
         srv = await server_ep(q)

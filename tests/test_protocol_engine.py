@@ -20,6 +20,7 @@ from aiordma.protocol.engine import (
     FrameType,
     Op,
     batch_records,
+    check_messages,
     parse_frame,
     write_batch,
     write_close,
@@ -501,3 +502,20 @@ def test_an_atomic_op_lands_in_a_send_buffer_and_returns_the_old_value() -> None
     assert spool.available == free
     with pytest.raises(OverflowError):
         atomic_op(Waiter(), int(WROpcode.ATOMIC_FETCH_AND_ADD), 0, 9, -1)
+
+
+def test_check_messages_sums_flat_buffers_and_names_the_first_bad_one() -> None:
+    """``check_messages`` (``send_many``'s check, in C): the total of C-contiguous
+    bytes-like items up to the limit, else the index of the first one that is not."""
+    import array
+
+    words = array.array("I", [1, 2])
+    good = [b"ab", bytearray(3), memoryview(b"cdef"), words, memoryview(bytearray(6))[1:]]
+    assert check_messages(good, 8) == (2 + 3 + 4 + 8 + 5, -1)
+    assert check_messages([], 8) == (0, -1)
+    assert check_messages([b"ab", "text", b"x"], 8) == (0, 1)
+    assert check_messages([b"ab", memoryview(bytearray(8))[::2]], 8) == (0, 1)
+    assert check_messages([b"ab", b"c" * 9], 8) == (0, 1)
+    released = memoryview(b"gone")
+    released.release()
+    assert check_messages([released], 8) == (0, 0)

@@ -25,7 +25,11 @@ Without a build of it (a C compiler: ``pip install .``, ``make core``) aiordma c
 run: ``aiordma.native.build()`` says why it was not built.
 """
 
-from cpython.buffer cimport PyBUF_FULL_RO, PyBUF_SIMPLE, PyBUF_WRITABLE, PyBuffer_Release, PyObject_GetBuffer
+from cpython.buffer cimport (
+    PyBUF_C_CONTIGUOUS, PyBUF_FULL_RO, PyBUF_SIMPLE, PyBUF_WRITABLE, PyBuffer_Release,
+    PyObject_GetBuffer,
+)
+from cpython.bytearray cimport PyByteArray_GET_SIZE
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from cpython.memoryview cimport PyMemoryView_FromObject
 from cpython.object cimport PyObject_Call

@@ -232,6 +232,32 @@ def register_waiter_type(cls):
     return old
 
 
+def check_messages(list msgs, Py_ssize_t limit):
+    """``(total bytes, -1)`` when every item of ``msgs`` is a C-contiguous bytes-like
+    object of at most ``limit`` bytes; else ``(0, i)``, ``i`` the first item that is
+    not (the caller raises its precise error). Allocates nothing per item."""
+    cdef Py_ssize_t i, n, total = 0
+    cdef Py_buffer view
+    for i in range(len(msgs)):
+        m = msgs[i]
+        t = type(m)
+        if t is bytes:
+            n = PyBytes_GET_SIZE(m)
+        elif t is bytearray:
+            n = PyByteArray_GET_SIZE(m)
+        else:
+            try:
+                PyObject_GetBuffer(m, &view, PyBUF_C_CONTIGUOUS)
+            except (TypeError, BufferError, ValueError):
+                return 0, i
+            n = view.len
+            PyBuffer_Release(&view)
+        if n > limit:
+            return 0, i
+        total += n
+    return total, -1
+
+
 def new_waiter(cls, dict kwargs):
     """A new waiter ``cls(**kwargs)``, the caller's dict passed as it is: a call from
     Python would copy it, or build one for keyword arguments; the driver keeps one per
