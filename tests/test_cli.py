@@ -85,3 +85,18 @@ def test_bench_help_and_a_short_run(provider_name: str, tmp_path) -> None:
     (result,) = [json.loads(line) for line in r.stdout.splitlines()]
     assert (result["transport"], result["test"], result["size"]) == ("aiordma", "send_lat", 64)
     assert result["error"] is None and result["lat_median_us"] > 0
+
+
+def test_bench_msg_rate_through_send_many(provider_name: str, tmp_path) -> None:
+    """``--rate-api many``: aiordma's msg_rate client sends with ``Endpoint.send_many``
+    (the result names the call), every message counted by the server (the run fails
+    otherwise), and the configuration line says so."""
+    r = _aiordma(provider_name, "bench", "--tests", "msg_rate", "--sizes", "64", "--iters",
+                 "300", "--warmup", "10", "--max-seconds", "5", "--baselines", "none",
+                 "--rate-api", "many", "--rate-window", "16", "--json",
+                 cwd=str(tmp_path), timeout=200)
+    assert r.returncode == 0, r.stdout + r.stderr
+    (result,) = [json.loads(line) for line in r.stdout.splitlines()]
+    assert (result["transport"], result["test"], result["size"]) == ("aiordma", "msg_rate", 64)
+    assert result["error"] is None and result["ops"] == 3000, result
+    assert result["extra"]["api"] == "send_many" and "rate_api=many" in r.stderr

@@ -2,7 +2,8 @@
 
 perftest-style tests (``--tests``): ``send_lat write_lat read_lat atomic_lat`` (one
 operation at a time, round trips), ``send_bw write_bw read_bw`` (``--window``
-operations in flight), ``msg_rate`` (small sends, window ``--rate-window`` = 64) and
+operations in flight), ``msg_rate`` (small sends, window ``--rate-window`` = 64; with
+``--rate-api many`` aiordma sends them with ``Endpoint.send_many``) and
 ``reactor`` (the completion reactor alone, in one process). Server and client run
 in separate processes.
 
@@ -81,6 +82,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=100, help="warm-up operations (<= iters/10)")
     p.add_argument("--window", type=int, default=16, help="operations in flight for *_bw")
     p.add_argument("--rate-window", type=int, default=64, help="sends in flight for msg_rate")
+    p.add_argument("--rate-api", choices=["send", "many"], default="send",
+                   help="how aiordma's msg_rate client sends: send (--rate-window tasks, one "
+                        "await per message; the default) or many (Endpoint.send_many calls of "
+                        "--rate-window/2 messages, two in flight)")
     p.add_argument("--max-seconds", type=float, default=3.0, help="time bound of each test")
     p.add_argument("--max-bytes", default="512M", help="data bound of each test")
     p.add_argument("--provider", default=None, help="aiordma provider (soft|verbs)")
@@ -143,7 +148,8 @@ def config_from_args(a: argparse.Namespace) -> Config:
         raise SystemExit("bench: --iters, --window, --rate-window and --max-seconds must be positive")
     cpus = _cpus(a.cpus) if a.cpus else None
     return Config(tests=tests, sizes=sizes, iters=a.iters, warmup=max(0, a.warmup),
-                  window=a.window, rate_window=a.rate_window, max_seconds=a.max_seconds,
+                  window=a.window, rate_window=a.rate_window, rate_api=a.rate_api,
+                  max_seconds=a.max_seconds,
                   max_bytes=parse_size(a.max_bytes), loop=a.loop, provider=a.provider,
                   device=a.device, poll_mode=a.poll_mode, spin_us=a.spin_us,
                   sizes_for=sizes_for, cpus=cpus)
@@ -414,7 +420,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"aiordma build={native.build()} loop={cfg.loop} "
           f"provider={cfg.provider or 'default'} poll_mode="
           f"{cfg.poll_mode or 'default'} iters={cfg.iters} window={cfg.window} "
-          f"rate_window={cfg.rate_window} max_seconds={cfg.max_seconds:g}\n", file=out)
+          f"rate_window={cfg.rate_window} rate_api={cfg.rate_api} "
+          f"max_seconds={cfg.max_seconds:g}\n", file=out)
     print(table + dask_table, file=out, flush=True)
     if stats:
         print(f"\naiordma client endpoint statistics: {json.dumps(stats)}", file=out)

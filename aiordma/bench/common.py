@@ -121,6 +121,10 @@ class Config:
     warmup: int = 100
     window: int = 16
     rate_window: int = 64
+    #: how aiordma's msg_rate client sends: ``send`` (``rate_window`` tasks, one await
+    #: per message) or ``many`` (``send_many`` calls of ``rate_window // 2`` messages,
+    #: two in flight)
+    rate_api: str = "send"
     max_seconds: float = 3.0
     max_bytes: int = 512 * MiB
     loop: str = "uvloop"
@@ -402,4 +406,29 @@ async def windowed(op: Callable[[], Awaitable[Any]], count: int, window: int,
 
     t0 = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(min(window, count))))
+    return done, time.perf_counter() - t0
+
+
+async def batched(call: Callable[[list[Any]], Awaitable[Any]], item: Any, count: int,
+                  batch: int, calls: int, max_seconds: float) -> tuple[int, float]:
+    """Send ``count`` copies of ``item`` through ``call`` (``Endpoint.send_many``), at
+    most ``batch`` per call and ``calls`` calls in flight, until all are done or
+    ``max_seconds`` passed (no new call starts then). Returns (items, seconds)."""
+    done = 0
+    started = 0
+    full = [item] * batch
+    deadline = time.perf_counter() + max_seconds
+
+    async def worker() -> None:
+        nonlocal done, started
+        while started < count:
+            k = min(batch, count - started)
+            started += k
+            await call(full if k == batch else full[:k])
+            done += k
+            if time.perf_counter() > deadline:
+                started = count
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(max(1, min(calls, -(-count // batch))))))
     return done, time.perf_counter() - t0

@@ -172,6 +172,8 @@ async def _one(transport: str, backend: Any, ctl: Control, cfg: Config, test: st
         secs = time.perf_counter() - t0
         res.cpu_client_s = cpu.elapsed()
         fill(res, ops=ops, seconds=secs, size=size)
+        if getattr(backend, "api", ""):
+            res.extra["api"] = backend.api
         if ops and secs:
             res.lat_mean_us = secs / ops * window * 1e6 if window else None
     res.cpu_server_s = reply.get("cpu")
