@@ -160,7 +160,7 @@ test-wheel: setup
 # (Both loops everywhere took 12 min of CI's ~31 on a slow host; `make test-rxe-all`
 # runs it.)
 RXE_TESTS ?= tests/test_verbs_provider.py tests/test_ibverbs_compat.py tests/test_endpoint.py \
-	tests/test_endpoint_eof.py tests/test_multiprocess.py tests/test_ibverbs_fastpath.py \
+	tests/test_endpoint_eof.py tests/test_send_many.py tests/test_multiprocess.py tests/test_ibverbs_fastpath.py \
 	tests/test_native.py
 RXE_TESTS_ONE_LOOP ?= tests/test_rdma_transport.py tests/test_streams.py \
 	tests/test_examples_protocols.py tests/test_device_threads.py tests/test_cli.py \
