@@ -308,12 +308,15 @@ class Endpoint:
         kept. Returns when the peer's device has all of them. One wait for all: the
         small ones cost no future and no task wake-up each.
 
-        Raises TypeError (an item not bytes-like), MessageTooLarge or ConnectionClosed
-        before anything is sent: every item is checked first. If cancelled, the
+        Raises TypeError (``messages`` one bytes-like object or string, or an item not
+        bytes-like), MessageTooLarge or ConnectionClosed before anything is sent: every
+        item is checked first. If cancelled, the
         messages already handed to the device are delivered, each whole, and the rest
         are not sent: the peer gets a prefix of ``messages``. An item must not change
         until this returns.
         """
+        if isinstance(messages, (bytes, bytearray, memoryview, str)):
+            raise TypeError("send_many takes an iterable of messages (one message: send)")
         msgs = messages if type(messages) is list else list(messages)
         if not msgs:
             return

@@ -74,6 +74,9 @@ async def test_a_bad_item_raises_before_anything_is_sent(opts: dict) -> None:
         srv = await asyncio.wait_for(q.get(), T)
         with pytest.raises(TypeError, match="bytes-like"):
             await ep.send_many([b"a", b"b", "text"])
+        for one in (b"one message", bytearray(b"one"), memoryview(b"one"), "text"):
+            with pytest.raises(TypeError, match="iterable of messages"):
+                await ep.send_many(one)
         with pytest.raises(TypeError, match="C-contiguous"):
             await ep.send_many([b"a", memoryview(bytearray(8))[::2]])
         with pytest.raises(aiordma.MessageTooLarge, match="message 2 of 65537 bytes") as ei:
