@@ -282,6 +282,7 @@ class Endpoint:
         copied (eager) or must not change until ``send`` returns (rendezvous from a
         registered region).
         """
+        e = self._engine
         fut: asyncio.Future[None] = new_future(self._loop, self._future_kw)
         op: Op | None = None
         if self._life.closing is None:
@@ -297,7 +298,7 @@ class Endpoint:
                 await fut
         except asyncio.CancelledError:
             if not op.posted:
-                self._snd.unqueue([op])
+                e.tx.unqueue(e.tx.sendq, [op])
             raise
         self.messages_sent += 1
         self.bytes_sent += n
@@ -310,10 +311,9 @@ class Endpoint:
 
         Raises TypeError (``messages`` one bytes-like object or string, or an item not
         bytes-like), MessageTooLarge or ConnectionClosed before anything is sent: every
-        item is checked first. If cancelled, the
-        messages already handed to the device are delivered, each whole, and the rest
-        are not sent: the peer gets a prefix of ``messages``. An item must not change
-        until this returns.
+        item is checked first. If cancelled, the messages already handed to the device
+        are delivered, each whole, and the rest are not sent: the peer gets a prefix of
+        ``messages``. An item must not change until this returns.
         """
         if isinstance(messages, (bytes, bytearray, memoryview, str)):
             raise TypeError("send_many takes an iterable of messages (one message: send)")
@@ -331,7 +331,8 @@ class Endpoint:
             else:
                 await asyncio.gather(*futs)
         except asyncio.CancelledError:
-            self._snd.unqueue(ops)
+            tx = self._engine.tx
+            tx.unqueue(tx.sendq, ops)
             raise
         self.messages_sent += len(msgs)
         self.bytes_sent += n

@@ -175,7 +175,7 @@ class OneSided:
             return await fut
         except asyncio.CancelledError:
             if not op.posted:
-                self._engine.tx.unqueue(q, op)
+                self._engine.tx.unqueue(q, [op])
             raise
 
     async def _submit_chunks(self, q: Fifo[Op], kind: int, wrs: list[SendWR],
@@ -198,8 +198,7 @@ class OneSided:
             await self._submit(q, last)
         except asyncio.CancelledError:
             if not any(op.posted for op in ops):
-                for op in ops:
-                    tx.unqueue(q, op)
+                tx.unqueue(q, ops)
             elif not last.posted:  # the rest must go, or the operation would be partial
                 q.append(last)
                 tx.kick()

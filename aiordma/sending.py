@@ -136,29 +136,11 @@ class Sending:
                 op = queue(fut, msgs[-1])[0]
             ops.append(op)
         except BaseException:
-            self.unqueue(ops)
+            e.tx.unqueue(e.tx.sendq, ops)
             for f in futs:
                 f.cancel()
             raise
         return ops, futs, total
-
-    def unqueue(self, ops: list[Op]) -> None:
-        """Take the ops of ``ops`` still on the send queue (not posted) off it, in one
-        pass whatever their number, releasing a rendezvous' staging copy: they are not
-        sent. Ops the engine already dropped (a failure) are left alone."""
-        drop = {id(op) for op in ops if not op.posted}
-        if not drop:
-            return
-        q = self._engine.tx.sendq
-        keep = []
-        for op in q:
-            if id(op) not in drop:
-                keep.append(op)
-            elif op.kind == RNDV:
-                self._res.release_source(op.payload)
-        if len(keep) < len(q):
-            q.clear()
-            q.extend(keep)
 
     def _rndv_source(self, mv: memoryview) -> Any:
         """A registered, remotely readable copy of (or view on) ``mv`` for rendezvous."""

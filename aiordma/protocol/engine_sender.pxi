@@ -427,12 +427,19 @@ cdef class Sender:
         self.ctrlq.push_c(Op(K_CTRL, fut, payload=(ftype, arg)))
         self.kick_c()
 
-    @staticmethod
-    def unqueue(q, op):
-        try:
-            q.remove(op)
-        except ValueError:
-            pass
+    def unqueue(self, Fifo q, ops):
+        """Take the ops of ``ops`` that are still on ``q`` (not posted) off it, in one
+        pass whatever their number, releasing a rendezvous' source: they are never
+        sent. Ops no longer there (posted, or dropped by a failure) are left alone."""
+        drop = {id(op) for op in ops}
+        keep = []
+        for op in q._snapshot():
+            if id(op) not in drop:
+                keep.append(op)
+            elif (<Op>op).kind == K_RNDV:
+                self.e.port.release_source((<Op>op).payload)
+        if len(keep) < q.n:
+            q._rebuild(keep, len(q._items))
 
     # ---------------------------------------------------------------- completions
     def on_wc(self, wc, _arg=None):
