@@ -412,23 +412,17 @@ async def windowed(op: Callable[[], Awaitable[Any]], count: int, window: int,
 async def batched(call: Callable[[list[Any]], Awaitable[Any]], item: Any, count: int,
                   batch: int, calls: int, max_seconds: float) -> tuple[int, float]:
     """Send ``count`` copies of ``item`` through ``call`` (``Endpoint.send_many``), at
-    most ``batch`` per call and ``calls`` calls in flight, until all are done or
-    ``max_seconds`` passed (no new call starts then). Returns (items, seconds)."""
-    done = 0
-    started = 0
+    most ``batch`` per call and ``calls`` calls in flight (``windowed``), until all are
+    done or ``max_seconds`` passed (no new call starts then). Returns (items, seconds)."""
     full = [item] * batch
-    deadline = time.perf_counter() + max_seconds
+    whole, rest = divmod(count, batch)
+    sizes = iter([batch] * whole + ([rest] if rest else []))
+    n_calls = whole + (1 if rest else 0)
 
-    async def worker() -> None:
-        nonlocal done, started
-        while started < count:
-            k = min(batch, count - started)
-            started += k
-            await call(full if k == batch else full[:k])
-            done += k
-            if time.perf_counter() > deadline:
-                started = count
+    def one() -> Awaitable[Any]:
+        k = next(sizes)
+        return call(full if k == batch else full[:k])
 
-    t0 = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(max(1, min(calls, -(-count // batch))))))
-    return done, time.perf_counter() - t0
+    done, secs = await windowed(one, n_calls, calls, max_seconds)
+    # calls start in order and every one started completes: only the last is short
+    return (count if done == n_calls else done * batch), secs
