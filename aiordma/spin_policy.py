@@ -12,8 +12,17 @@ reactor then behaves as ``blocking``) for a back-off time when
   quiet period (both sums halved whenever the spin time passes ``_WINDOW_S``), stolen
   time above ``_STOLEN_MIN_S`` and above ``_STOLEN_SHARE`` of the spin time means the
   cores are oversubscribed: a spinner then holds a core that someone (often its peer,
-  or the process that will answer it) is waiting for. The occasional preemption by a
-  kernel thread on free cores stays below the share;
+  or the process that will answer it) is waiting for. Only **long** waits count: an
+  interval between two checks in which the thread was off its core for less than
+  ``LONG_PREEMPTION_S`` adds nothing. Short ones are the kernel's own work on this
+  core (interrupts, softirqs, kernel workers): it ends by itself, and is often what
+  delivers the completion the spin waits for. Soft-RoCE (rxe) runs its requester,
+  responder and completer in kernel workers beside the application; in a 2-vCPU guest
+  they preempt a spinning client on nearly every round trip, for tens to a hundred-odd
+  microseconds each, and counting that kept the spin quiet and the client blocking on
+  most round trips. A task that needs the core the spinner holds takes it for a
+  scheduler slice instead (300-900 us waits beside busy loops, or with both sides on
+  one core), which still counts (docs/history/rxe-spin-long-preemption-2026-12-07.json);
 - it **missed** ``MISS_LIMIT`` times in a row: spins (or in-place waits) that ran out
   their budget without the completion they waited for. Either the peer answers slower
   than the budget, and every spin is wasted CPU, or the peer cannot answer *because*
@@ -41,6 +50,9 @@ _BACKOFF_MAX_S: Final = 0.5
 _STOLEN_MIN_S: Final = 500e-6
 _STOLEN_SHARE: Final = 0.1
 _WINDOW_S: Final = 0.05
+#: an interval's time off the core counts as preemption from this long (the module
+#: docstring: shorter ones are the kernel's own work, longer ones a scheduler slice)
+LONG_PREEMPTION_S: Final = 250e-6
 
 
 class SpinGovernor:
@@ -67,11 +79,13 @@ class SpinGovernor:
         self._cpu = self.thread_time()
 
     def preempted(self, now: float) -> bool:
-        """Has this thread waited for a core for a large share of its recent spinning?
-        Moves the check's baseline to ``now``."""
+        """Has this thread waited for a core for a large share of its recent spinning,
+        in waits of at least ``LONG_PREEMPTION_S`` each (the module docstring)? Moves
+        the check's baseline to ``now``."""
         cpu = self.thread_time()
         wall = now - self._wall
-        stolen = self._stolen_sum + wall - (cpu - self._cpu)
+        waited = wall - (cpu - self._cpu)  # this interval's time off the core
+        stolen = self._stolen_sum + (waited if waited >= LONG_PREEMPTION_S else 0.0)
         spun = self._spun_sum + wall
         self._wall = now
         self._cpu = cpu
