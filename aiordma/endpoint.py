@@ -36,7 +36,7 @@ import asyncio
 import functools
 import secrets
 from collections.abc import Callable, Iterable
-from typing import Any, Final
+from typing import Any, Final, cast
 
 from . import liveness
 from .device import Device
@@ -98,8 +98,8 @@ class Endpoint:
         # the per-message calls, bound once (a method looked up by name, or a bound
         # method made, at every call costs more than the call itself)
         self._future_kw = future_kwargs(loop)  # new_future makes them with it
-        self._send_eager: Callable[[asyncio.Future[None], Any], Op | None] = (
-            self._engine.send_eager)
+        self._engine.set_waiter_maker(self._future_kw, loop.create_future)
+        self._send_now: Callable[[Any], Op | None] = self._engine.send_now
         self._take_data: Callable[[], bytes | None] = self._engine.rx.take_data
         self._take_into: Callable[[Any], int] = self._engine.rx.take_into
         self._rx: Any = self._engine.rx
@@ -283,13 +283,17 @@ class Endpoint:
         registered region).
         """
         e = self._engine
-        fut: asyncio.Future[None] = new_future(self._loop, self._future_kw)
+        fut: asyncio.Future[None]
         op: Op | None = None
         if self._life.closing is None:
-            op = self._send_eager(fut, data)  # the usual case: one call into the engine
+            # the usual case: one call into the engine, which posts the message and
+            # then makes its future (nothing else runs before the post)
+            op = self._send_now(data)
         if op is None:
+            fut = new_future(self._loop, self._future_kw)
             op, n = self._snd.queue(fut, data)
         else:
+            fut = cast("asyncio.Future[None]", op.fut)
             n = len(data)
         try:
             if self._reactor.waits:

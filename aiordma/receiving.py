@@ -3,9 +3,12 @@
 ``Endpoint.recv``/``recv_into`` take a message that is already there and nobody waits
 before them without a lock and without an await. Otherwise they come here: receivers
 are served in FIFO order (``ReceiverTurns``: ``asyncio.Lock``'s contract, compiled with
-the rest), each waits for the message at the
-head of the engine's receive queue, and a rendezvous message is RDMA-READ into the
-caller's registered buffer or into staging first. Cancellation never loses a message:
+the rest), and the one whose turn it is waits for the next frame in its own coroutine
+(no coroutine per wait: each level of one costs a frame made and resumed per message)
+and takes a DATA message as it comes, copied by the engine in one call. What else comes
+first -- a message too large for the buffer, the peer's EOF, a closed connection -- goes
+through ``next_rx``; a rendezvous message is RDMA-READ into the caller's registered
+buffer or into staging first. Cancellation never loses a message:
 a message is consumed only once it was handed over, and an interrupted READ into
 staging is reused by the next receiver.
 """
@@ -19,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from .errors import ConnectionClosed, MessageTooLarge
 from .lifecycle import uncancelled
 from .memory import LocalSpan
-from .protocol.engine import RX_DATA, RX_EOF, Rx
+from .protocol.engine import RX_EOF, RX_RNDV, Rx
 from .waiters import new_future
 
 if TYPE_CHECKING:
@@ -147,12 +150,24 @@ class Receiving:
         if not turns.take():
             await turns.wait()
         try:
-            m = await self.next_rx()
             rx = self._engine.rx
-            if m.kind == RX_DATA:
-                data = rx.rpool.bytes_at(m.offset, m.length)
-                rx.consume_data(m)
-                return data
+            take = rx.take_data
+            while True:  # a DATA message, as it comes: one wait, no frame of its own
+                data = take()
+                if data is not None:
+                    return data
+                if not self._sleep_ready():
+                    break  # something else at the head, or closed: the general path
+                fut = self._sleeper(rx.rx_waiters)  # (inline: a coroutine per wait costs)
+                try:
+                    if self._reactor.waits:
+                        await self._reactor.wait(fut)
+                    else:
+                        await fut
+                finally:
+                    self._woke(rx.rx_waiters, fut)
+            m = await self.next_rx()  # a rendezvous message: a DATA one was taken above
+            assert m.kind == RX_RNDV
             st = await self.rndv_fetch(m, None)
             assert st is not None
             data = bytes(st.view)
@@ -168,16 +183,27 @@ class Receiving:
         if not turns.take():
             await turns.wait()
         try:
-            m = await self.next_rx()
             rx = self._engine.rx
+            take = rx.take_into_in_turn
+            while True:  # a DATA message that fits, as it comes: one wait, copied in C
+                n = take(out)
+                if n >= 0:
+                    return n
+                if not self._sleep_ready():
+                    break  # too large, something else at the head, or closed
+                fut = self._sleeper(rx.rx_waiters)  # (inline: a coroutine per wait costs)
+                try:
+                    if self._reactor.waits:
+                        await self._reactor.wait(fut)
+                    else:
+                        await fut
+                finally:
+                    self._woke(rx.rx_waiters, fut)
+            m = await self.next_rx()  # too large, or a rendezvous message
             if m.length > out.nbytes:
                 raise MessageTooLarge(f"message of {m.length} bytes does not fit a buffer of "
                                       f"{out.nbytes}; it is kept for the next receive", m.length)
-            if m.kind == RX_DATA:
-                out[: m.length] = rx.rpool.view[m.offset: m.offset + m.length]
-                n = m.length
-                rx.consume_data(m)
-                return n
+            assert m.kind == RX_RNDV  # a DATA one that fits was taken above
             span: LocalSpan | None
             try:
                 span = self._regions.resolve(out[: m.length], writable=True)
@@ -191,6 +217,29 @@ class Receiving:
             return n
         finally:
             turns.give()
+
+    def _sleep_ready(self) -> bool:
+        """Whether the turn's holder may simply wait for the next frame: nothing is at
+        the head of the receive queue (a message there that the fast take left is an
+        EOF, a rendezvous or too large: ``next_rx``'s) and the connection is open."""
+        e = self._engine
+        return not e.rx.rx and not e.state.failed and self._life.closing is None
+
+    def _sleeper(self, waiters: list[Any]) -> asyncio.Future[None]:
+        """A new future in ``waiters`` (the engine's), which the engine resolves when
+        something arrives; its waiter calls ``_woke`` after awaiting it, however that
+        ended."""
+        fut: asyncio.Future[None] = new_future(self._loop, self._future_kw)
+        waiters.append(fut)
+        return fut
+
+    @staticmethod
+    def _woke(waiters: list[Any], fut: asyncio.Future[None]) -> None:
+        """``fut`` (``_sleeper``'s) is no longer awaited: a sleeper cancelled or failed
+        leaves ``waiters`` clean (a resolved one is already out: the engine empties
+        the list as it wakes it)."""
+        if fut in waiters:
+            waiters.remove(fut)
 
     async def next_rx(self) -> Rx:
         """The message at the head of the receive queue (left there); raises
@@ -211,16 +260,14 @@ class Receiving:
     async def wait_on(self, waiters: list[Any]) -> None:
         """Sleep until the engine wakes ``waiters``; a cancelled sleeper leaves the list
         clean."""
-        fut: asyncio.Future[None] = new_future(self._loop, self._future_kw)
-        waiters.append(fut)
+        fut = self._sleeper(waiters)
         try:
             if self._reactor.waits:
                 await self._reactor.wait(fut)
             else:
                 await fut
         finally:
-            if fut in waiters:
-                waiters.remove(fut)
+            self._woke(waiters, fut)
 
     async def rndv_fetch(self, m: Rx, span: LocalSpan | None) -> Any:
         """READ the rendezvous message ``m`` into ``span`` or into staging (returned).

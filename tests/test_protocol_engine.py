@@ -371,6 +371,58 @@ def test_post_failure_fails_the_connection() -> None:
     assert isinstance(w.exc, PostError) and e.state.failed
 
 
+def test_send_now_posts_first_then_makes_its_waiter() -> None:
+    e, spool, _rpool, port = connected()
+    posts_seen: list[int] = []
+
+    def make() -> Waiter:
+        posts_seen.append(len(port.sends))
+        return Waiter()
+
+    e.set_waiter_maker(None, make)
+    op = e.send_now(b"hello")
+    assert posts_seen == [1] and op is not None and isinstance(op.fut, Waiter)
+    (wr,) = port.sends[0]
+    assert frame_of(spool, wr).payload_len == 5 and not op.fut.done()
+    e.on_send_completion(WC(wr.wr_id, WCStatus.SUCCESS, WCOpcode.SEND))
+    assert op.fut.done() and op.fut.exc is None
+
+
+def test_send_now_queues_behind_the_iterations_first_post_with_its_waiter() -> None:
+    e, _spool, _rpool, port = connected()
+    e.set_waiter_maker(None, Waiter)
+    first, second = e.send_now(b"a"), e.send_now(b"b")
+    assert first is not None and second is not None and len(port.sends) == 1
+    assert isinstance(second.fut, Waiter) and not second.posted
+    port.turn()  # the end of the iteration posts it
+    assert second.posted and len(port.sends) == 2
+    e.on_send_completion(WC(port.sends[1][-1].wr_id, WCStatus.SUCCESS, WCOpcode.SEND))
+    assert second.fut.done() and second.fut.exc is None
+
+
+def test_send_now_hands_a_failed_post_to_its_waiter() -> None:
+    e, _spool, _rpool, port = connected()
+    from aiordma.errors import PostError
+
+    e.set_waiter_maker(None, Waiter)
+    port.fail_next_post = err = PostError(22, "bad")
+    op = e.send_now(b"x")
+    assert op is not None and op.fut.exc is err and e.state.failed
+    assert e.send_now(b"y") is None  # failed: nothing more is taken
+
+
+def test_send_now_takes_nothing_it_cannot_send_eagerly_and_needs_a_maker() -> None:
+    e, _spool, _rpool, port = connected()
+    with pytest.raises(TypeError):
+        e.send_now(b"x")  # no maker yet: raised before anything is posted
+    assert not port.sends
+    with pytest.raises(TypeError):
+        e.set_waiter_maker(None, None)
+    e.set_waiter_maker(None, Waiter)
+    assert e.send_now(b"z" * (EAGER + 1)) is None and e.send_now("text") is None
+    assert not port.sends
+
+
 @pytest.mark.parametrize("seed", range(8))
 def test_two_engines_back_to_back(seed: int) -> None:
     """Random bursts of messages both ways through the credit window: every message

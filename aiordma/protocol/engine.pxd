@@ -81,6 +81,8 @@ cdef class Op:
     cdef bint c_inline
     cdef int c_small_len
     cdef unsigned char c_small[C_SMALL_PAYLOAD]
+    # the error it finished with while it had no waiter (``send_now`` hands it on)
+    cdef object error
 
 
 cdef class Rx:
@@ -192,6 +194,7 @@ cdef class Receiver:
     cdef int flush_reposts_c(self) except -1
     cdef int consume_data_c(self, Rx rx) except -1
     cdef Rx data_head_c(self)
+    cdef Py_ssize_t take_into_c(self, object buffer) except -2
     cdef int64_t ahead_c(self) noexcept
 
 
@@ -216,6 +219,9 @@ cdef class MessageEngine:
     cdef public Receiver rx
     cdef object _qp              # the QP the C path posts to (None: the port's methods)
     cdef c_qp_ops_t *_qp_ops
+    cdef object _waiter_kw       # send_now's waiters: WAITER_TYPE(**_waiter_kw), or
+    cdef object _waiter_make     # _waiter_make() where _waiter_kw is None
+    cdef Op _send_eager_c(self, object fut, object data)
 
 
 cdef class EngineTable:

@@ -162,6 +162,41 @@ cdef class MessageEngine:
         """True when the engine posts through C-level operations (``use_qp``)."""
         return self._qp_ops != NULL
 
+    def set_waiter_maker(self, kwargs, make):
+        """How ``send_now`` makes its waiters: ``WAITER_TYPE(**kwargs)`` (the type of
+        ``register_waiter_type``; ``kwargs`` a dict kept as it is), or ``make()`` where
+        ``kwargs`` is None. Raises TypeError for a dict without a registered waiter
+        type, or neither a dict nor a callable."""
+        if kwargs is not None:
+            if WAITER_TYPE is None:
+                raise TypeError("no waiter type is registered (register_waiter_type)")
+            kwargs = <dict?>kwargs
+        elif not callable(make):
+            raise TypeError("set_waiter_maker needs a kwargs dict or a callable")
+        self._waiter_kw = kwargs
+        self._waiter_make = make
+
+    def send_now(self, data):
+        """``send_eager`` whose waiter the engine makes (``set_waiter_maker``) once the
+        message is posted: nothing but the post runs before the work request reaches the
+        device. Returns the op, its ``fut`` the new waiter, or None (nothing queued, no
+        waiter made) where ``send_eager`` would. A post that failed in this call fails
+        the waiter with its error (the connection's error once it failed)."""
+        if self._waiter_kw is None and self._waiter_make is None:
+            raise TypeError("send_now before set_waiter_maker")
+        cdef Op op = self._send_eager_c(None, data)
+        if op is None:
+            return None
+        if self._waiter_kw is not None:
+            fut = PyObject_Call(WAITER_TYPE, (), self._waiter_kw)
+        else:
+            fut = self._waiter_make()
+        op.fut = fut
+        if self.state.failed:  # the post failed: nothing can complete it now
+            exc, op.error = op.error, None
+            fut.set_exception(exc if exc is not None else self.closed_error())
+        return op
+
     def send_eager(self, fut, data):
         """Queue ``data`` as a DATA message and post what can go, where it may go eagerly
         now: ``data`` a bytes, bytearray or memoryview object (those exact types),
@@ -174,6 +209,9 @@ cdef class MessageEngine:
         ``Sender.queue_data``), or None with nothing queued: the caller finds the
         precise error, casts the view, or sends it by rendezvous. Raises ValueError for
         a released memoryview."""
+        return self._send_eager_c(fut, data)
+
+    cdef Op _send_eager_c(self, object fut, object data):
         cdef Py_ssize_t n
         cdef Py_buffer view
         cdef Op op

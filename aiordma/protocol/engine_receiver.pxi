@@ -260,7 +260,7 @@ cdef class Receiver:
     def take_data(self):
         """The next message as bytes when it is a DATA message already here (consumed:
         its buffer goes back to the peer), else None (nothing taken). The caller makes
-        sure that no receive is waiting before it."""
+        sure that no receive is waiting before it (or holds the receivers' turn)."""
         cdef Rx rx = self.data_head_c()
         if rx is None:
             return None
@@ -274,11 +274,19 @@ cdef class Receiver:
         its buffer goes back to the peer); returns its length. Returns -1 with nothing
         taken otherwise, and for a ``buffer`` that is not one writable, contiguous run
         of memory (the caller's checks then name the error)."""
+        if self.receivers:
+            return -1
+        return self.take_into_c(buffer)
+
+    def take_into_in_turn(self, buffer):
+        """``take_into`` for the receive that holds the receivers' turn (counted in
+        ``receivers``): nobody is before it."""
+        return self.take_into_c(buffer)
+
+    cdef Py_ssize_t take_into_c(self, object buffer) except -2:
         cdef Rx rx
         cdef Py_buffer dst
         cdef Py_ssize_t n
-        if self.receivers:
-            return -1
         rx = self.data_head_c()
         if rx is None:
             return -1

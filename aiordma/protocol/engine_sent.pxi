@@ -125,6 +125,8 @@ cdef int sent_finish(Sender tx, Op op, object wc, object exc) except -1:
                 fut.set_exception(exc)
         return 0  # success: the user's waiter completes on RNDV_DONE
     if fut is None:
+        if exc is not None:
+            op.error = exc  # (a waiter made after the post: ``send_now``)
         return 0
     if exc is None:
         resolve_c(fut, old if op.kind == K_ATOMIC else None)
