@@ -371,6 +371,16 @@ def test_post_failure_fails_the_connection() -> None:
     assert isinstance(w.exc, PostError) and e.state.failed
 
 
+def test_a_send_never_overtakes_one_already_queued() -> None:
+    e, spool, _rpool, port = connected()
+    first = Waiter()
+    e.tx.sendq.append(Op(DATA, first, memoryview(b"first")))  # queued, not posted yet
+    second = Waiter()
+    assert e.send_eager(second, b"second") is not None
+    (chain,) = port.sends  # one pump: both, in order (one BATCH frame)
+    assert _batch_payloads(spool, chain[0]) == [b"first", b"second"]
+
+
 def test_send_now_posts_first_then_makes_its_waiter() -> None:
     e, spool, _rpool, port = connected()
     posts_seen: list[int] = []

@@ -157,6 +157,8 @@ cdef class Sender:
     cdef int kick_c(self) except -1
     cdef int pump_c(self) except -1
     cdef int _post(self, list batch) except -1
+    cdef int _post_batch(self, list batch, int room) except -1
+    cdef bint _post_alone_c(self, Op op) except -1
     cdef object _frame_wr(self, Op op, int nbytes)
     cdef int _build_data(self, Op op) except -1
     cdef Op _build_batch(self, Op first)

@@ -12,7 +12,9 @@
 # Posting policy (``kick``): post at once (the latency fast path) unless something was
 # posted that way since the last completion came in; then post at the end of this loop
 # iteration, everything queued meanwhile together (batching: a burst of sends woken by
-# one completion shares work requests and BATCH frames).
+# one completion shares work requests and BATCH frames). A DATA message that goes at once
+# with nothing queued before it is built and posted directly (``_post_alone_c``), not
+# through the send queue and a pump.
 #
 # Signaling (``_post``): the last operation somebody waits for is signaled (every one
 # before it completes with it), plus what ``SendQueue.push`` asks for. Frames nobody
@@ -154,8 +156,17 @@ cdef class Sender:
                 if kind == K_IMM:
                     credits.consume_c(False)
             batch.append(op)
+        return self._post_batch(batch, room)
+
+    cdef int _post_batch(self, list batch, int room) except -1:
+        """The end of a pump: a CREDIT frame added where one is due (and room is left),
+        then ``batch`` posted as one chain."""
+        cdef MessageEngine e = self.e
+        cdef CreditState credits = e.credits
+        cdef ConnectionState st = e.state
+        cdef Op op
         final_close = st.final and st.local is LOCAL_CLOSE_SENT
-        if (credits.should_send_credit_c() and room > len(batch) and spool._nfree
+        if (credits.should_send_credit_c() and room > len(batch) and self.spool._nfree
                 and not final_close):
             op = Op(K_CTRL, None, payload=(FrameType.CREDIT, 0))
             credits.consume_c(True)
@@ -164,6 +175,27 @@ cdef class Sender:
         if batch:
             self._post(batch)
         return 0
+
+    cdef bint _post_alone_c(self, Op op) except -1:
+        """``kick``'s fast path for the DATA op ``op`` when nothing else is queued: what
+        ``pump_c`` would post for it -- its frame, its credit, a CREDIT frame if one is
+        due, one chain -- without going through the send queue. Returns True when it
+        posted; False, doing nothing, when ``op`` must be queued instead: the fast path
+        used in this iteration, a pump scheduled, anything queued, no send-queue room,
+        send buffer or peer credit for it, or the connection down."""
+        cdef MessageEngine e = self.e
+        cdef CreditState credits = e.credits
+        cdef ConnectionState st = e.state
+        cdef int room = self.sq.depth - self.sq._n
+        if (self.in_tick or self._pump_scheduled or self.sendq.n or self.ctrlq.n
+                or self.oneq.n or room < 1 or not self.spool._nfree or credits is None
+                or st.failed or st.remote is REMOTE_GONE or not credits.can_send_data()):
+            return False
+        self.in_tick = True
+        credits.consume_c(False)
+        self._build_data(op)
+        self._post_batch([op], room)
+        return True
 
     cdef object _frame_wr(self, Op op, int nbytes):
         """The SEND of the frame in ``op``'s slot (that slot's WR; ``_post`` sets wr_id
@@ -416,6 +448,8 @@ cdef class Sender:
 
     cdef Op queue_op_c(self, Op op):
         """Queue the DATA op ``op`` (its payload set) and post what can go; returns it."""
+        if self._post_alone_c(op):
+            return op
         self.sendq.push_c(op)
         self.kick_c()
         return op
