@@ -159,9 +159,6 @@ cdef class Sender:
     cdef int _post(self, list batch) except -1
     cdef int _post_batch(self, list batch, int room) except -1
     cdef bint _post_alone_c(self, Op op) except -1
-    cdef object _frame_wr(self, Op op, int nbytes)
-    cdef int _build_data(self, Op op) except -1
-    cdef Op _build_batch(self, Op first)
     cdef Op queue_data_c(self, object fut, object payload)
     cdef Op queue_op_c(self, Op op)
 

@@ -13,7 +13,8 @@ Python one):
 * ``engine_ops``      -- ``Op`` and ``Rx``: the records of operations and received messages
 * ``engine_fifo``     -- ``Fifo``: the queues of ops and of received messages
 * ``engine_sendq``    -- ``SendQueue``: send-queue accounting with selective signaling
-* ``engine_sender``   -- ``Sender``: the send queues, what to post when, the frames
+* ``engine_sender``   -- ``Sender``: the send queues, what to post when, the posts
+* ``engine_frames``   -- the frames a pump posts, built in the sender's send buffers
 * ``engine_sent``     -- what a send completion finishes (the Sender's completions)
 * ``engine_receiver`` -- ``Receiver``: receive buffers, frames, messages, rendezvous reads
 * ``engine_core``     -- ``EnginePort`` (what the engine asks of its driver) and
@@ -87,6 +88,7 @@ include "engine_fifo.pxi"
 include "engine_sendq.pxi"
 include "engine_core.pxi"
 include "engine_sender.pxi"
+include "engine_frames.pxi"
 include "engine_sent.pxi"
 include "engine_receiver.pxi"
 include "engine_cpath.pxi"

@@ -1,6 +1,6 @@
 # The send side of the message engine (included by engine.pyx): queued operations,
-# what to post when, and the frames. What each send completion finishes is in
-# engine_sent.pxi.
+# what to post when, and the posts. The frames are built by engine_frames.pxi; what
+# each send completion finishes is in engine_sent.pxi.
 #
 # Three queues feed the send queue of the QP, in this order at every pump: control
 # frames (CLOSE, RNDV_DONE, CREDIT), one-sided work (READ, WRITE, atomics, the READs of
@@ -120,7 +120,7 @@ cdef class Sender:
             else:
                 break
             self.ctrlq.pop_c()
-            self._build_ctrl(op)
+            build_ctrl(self, op)
             batch.append(op)
         while self.oneq.n and room > len(batch):
             op = self.oneq.head_c()
@@ -146,11 +146,11 @@ cdef class Sender:
                 self.sendq.pop_c()
                 credits.consume_c(False)
                 if kind == K_RNDV:
-                    self._build_rndv(op)
+                    build_rndv(self, op)
                 elif e.batching and self.sendq.n and (<Op>self.sendq.head_c()).kind == K_DATA:
-                    op = self._build_batch(op)
+                    op = build_batch(self, op)
                 else:
-                    self._build_data(op)
+                    build_data(self, op)
             else:  # IMM takes a credit; WRITE (a leading piece of a long one) none
                 self.sendq.pop_c()
                 if kind == K_IMM:
@@ -170,7 +170,7 @@ cdef class Sender:
                 and not final_close):
             op = Op(K_CTRL, None, payload=(FrameType.CREDIT, 0))
             credits.consume_c(True)
-            self._build_ctrl(op)
+            build_ctrl(self, op)
             batch.append(op)
         if batch:
             self._post(batch)
@@ -193,113 +193,9 @@ cdef class Sender:
             return False
         self.in_tick = True
         credits.consume_c(False)
-        self._build_data(op)
+        build_data(self, op)
         self._post_batch([op], room)
         return True
-
-    cdef object _frame_wr(self, Op op, int nbytes):
-        """The SEND of the frame in ``op``'s slot (that slot's WR; ``_post`` sets wr_id
-        and the signaled flag); None on the C path, which builds it from ``nbytes``."""
-        op.nbytes = nbytes
-        if self.e._qp_ops != NULL:
-            return None
-        wr = self.frame_wrs[<int>op.slot]
-        wr.sg_list[0].length = nbytes
-        wr.send_flags = F_INLINE if nbytes <= self.e.inline_cap else 0
-        return wr
-
-    cdef int _build_data(self, Op op) except -1:
-        cdef CreditState credits = self.e.credits
-        cdef Slots spool = self.spool
-        cdef int slot = spool.acquire_c()
-        cdef unsigned char *p
-        cdef Py_ssize_t n
-        if slot < 0:
-            raise RuntimeError("no send buffer (the pump checks)")
-        op.slot = slot
-        p = spool.ptr(slot)
-        n = op_payload_copy(op, p + C_HEADER_SIZE, spool.slot_size - C_HEADER_SIZE)
-        if n < 0:
-            spool.release_c(slot)
-            op.slot = None
-            raise LocalProtocolError(f"a {op_payload_len(op)}-byte message does not "
-                                     f"fit a {spool.slot_size}-byte send buffer")
-        frame_write(p, T_DATA, 0, credits.take_piggyback_c(), <uint32_t>n)
-        op.payload = None  # copied: the caller's buffer is free
-        op.wr = self._frame_wr(op, C_HEADER_SIZE + n)
-        return 0
-
-    cdef Op _build_batch(self, Op first):
-        """Pack ``first`` and the DATA ops after it on the send queue that fit into one
-        BATCH frame; returns the op to post (``first`` itself when only it fits)."""
-        cdef Op op
-        cdef Op carrier
-        cdef Slots spool = self.spool
-        cdef list members
-        cdef Py_ssize_t room, n, off
-        cdef int slot
-        cdef unsigned char *p
-        cdef Fifo sendq = self.sendq
-        room = self.e.eager - C_HEADER_SIZE - C_BATCH_RECORD - op_payload_len(first)
-        members = [first]
-        while sendq.n:
-            op = sendq.head_c()
-            if op.kind != K_DATA:
-                break
-            room -= C_BATCH_RECORD + op_payload_len(op)
-            if room < 0:
-                break
-            members.append(sendq.pop_c())
-        if len(members) == 1:
-            self._build_data(first)
-            return first
-        slot = spool.acquire_c()
-        if slot < 0:
-            raise RuntimeError("no send buffer (the pump checks)")
-        carrier = new_op(K_BATCH, None, members)
-        carrier.slot = slot
-        p = spool.ptr(slot)
-        off = C_HEADER_SIZE
-        for op in members:
-            n = op_payload_copy(op, p + off + C_BATCH_RECORD,
-                                spool.slot_size - off - C_BATCH_RECORD)
-            if n < 0:
-                spool.release_c(slot)
-                carrier.slot = None
-                raise LocalProtocolError(
-                    f"a BATCH of {len(members)} messages does not fit a "
-                    f"{spool.slot_size}-byte send buffer")
-            _le32(p + off, <uint32_t>n)
-            off += C_BATCH_RECORD + n
-        frame_write(p, T_BATCH, 0, self.e.credits.take_piggyback_c(), <uint32_t>len(members))
-        self.messages_batched += len(members)
-        for op in members:
-            op.payload = None  # copied: the caller's buffer is free
-        carrier.wr = self._frame_wr(carrier, <int>off)
-        return carrier
-
-    def _build_rndv(self, Op op):
-        credits = self.e.credits
-        op.slot = self.spool.acquire()
-        addr, rkey, length = self.e.port.rndv_source(op.payload)
-        buf = self.spool.slot(op.slot)
-        n = write_rndv(buf, credits.take_piggyback(), op.msg_id, length, addr, rkey)
-        self.rndv_out[op.msg_id] = op
-        op.wr = self._frame_wr(op, n)
-
-    def _build_ctrl(self, Op op):
-        credits = self.e.credits
-        op.slot = self.spool.acquire()
-        ftype, arg = op.payload
-        buf = self.spool.slot(op.slot)
-        piggyback = credits.take_piggyback()
-        if ftype == T_RNDV_DONE:
-            n = write_rndv_done(buf, piggyback, arg, True)
-        elif ftype == T_CLOSE:
-            n = write_close(buf, piggyback)
-        else:
-            n = write_credit(buf, piggyback)
-        op.wr = self._frame_wr(op, n)
 
     cdef int _post(self, list batch) except -1:
         """Post ``batch`` in one call, signaled as the comment above says."""
