@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any
 
 from .errors import ConnectionClosed, MessageTooLarge
@@ -160,10 +161,7 @@ class Receiving:
                     break  # something else at the head, or closed: the general path
                 fut = self._sleeper(rx.rx_waiters)  # (inline: a coroutine per wait costs)
                 try:
-                    if self._reactor.waits:
-                        await self._reactor.wait(fut)
-                    else:
-                        await fut
+                    await self._sleep_on(fut)
                 finally:
                     self._woke(rx.rx_waiters, fut)
             m = await self.next_rx()  # a rendezvous message: a DATA one was taken above
@@ -193,10 +191,7 @@ class Receiving:
                     break  # too large, something else at the head, or closed
                 fut = self._sleeper(rx.rx_waiters)  # (inline: a coroutine per wait costs)
                 try:
-                    if self._reactor.waits:
-                        await self._reactor.wait(fut)
-                    else:
-                        await fut
+                    await self._sleep_on(fut)
                 finally:
                     self._woke(rx.rx_waiters, fut)
             m = await self.next_rx()  # too large, or a rendezvous message
@@ -233,6 +228,12 @@ class Receiving:
         waiters.append(fut)
         return fut
 
+    def _sleep_on(self, fut: asyncio.Future[None]) -> Awaitable[None]:
+        """What a sleeper awaits for ``fut`` (``_sleeper``'s): the future itself, or in
+        polling mode the reactor's ``wait`` on it, which polls while the task is
+        suspended. Returns or raises what ``await fut`` does."""
+        return self._reactor.wait(fut) if self._reactor.waits else fut
+
     @staticmethod
     def _woke(waiters: list[Any], fut: asyncio.Future[None]) -> None:
         """``fut`` (``_sleeper``'s) is no longer awaited: a sleeper cancelled or failed
@@ -262,10 +263,7 @@ class Receiving:
         clean."""
         fut = self._sleeper(waiters)
         try:
-            if self._reactor.waits:
-                await self._reactor.wait(fut)
-            else:
-                await fut
+            await self._sleep_on(fut)
         finally:
             self._woke(waiters, fut)
 
