@@ -449,7 +449,8 @@ def test_a_channel_s_event_reader_is_compiled(monkeypatch: pytest.MonkeyPatch,
     assert read == ch._reader.next_cq
     cq = ctx.create_cq(8, ch)
     lib.events = [(0x300, 0xDEAD), (0x100, id(cq._token))]
-    assert read() is cq and cq._events_got == 1 and cq._cq_ptr == 0x100
+    assert read() is cq and cq._events.got == 1 and cq._events.cq_ptr == 0x100
+    assert isinstance(cq._events, fastpath.CQEvents)
     assert lib.acked == [(0x300, 1)]  # not one of ours: acknowledged, skipped
     assert read() is None
     cq.ack_events(1)

@@ -13,8 +13,8 @@ from . import clib, compat, loader, probe
 
 if TYPE_CHECKING:
     from .context import IbvContext
-    from .cq import IbvCQ
-    from .fastpath import ChannelEvents
+    from .cq import IbvCQ, _CQEvents
+    from .fastpath import ChannelEvents, CQEvents
 
 
 def _reader(channel_ptr: int) -> ChannelEvents | clib.ChannelReader | None:
@@ -61,12 +61,14 @@ class IbvCompChannel(CompChannel):
         self._reader = _reader(ptr) if ptr else None
         self.fd = fd
         self._cqs: dict[int, IbvCQ] = {}  # id(cq token) -> CQ
+        # id(cq token) -> the CQ's event counts (IbvCQ._events), where get_event counts
+        self._events: dict[int, CQEvents | _CQEvents] = {}
         # the reader when it is the compiled one (next_cq reads the table above)
         self._compiled: ChannelEvents | None = (
             None if self._reader is None or isinstance(self._reader, clib.ChannelReader)
             else self._reader)
         if self._compiled is not None:
-            self._compiled.attach(self._cqs)
+            self._compiled.attach(self._events)
         self._closed = False
         ctx._children.add(self)
 
@@ -109,13 +111,13 @@ class IbvCompChannel(CompChannel):
                 if got is None:
                     return None
                 cq_ptr, token = got
-                cq = self._cqs.get(token)
-                if cq is None:  # not ours (cannot happen): keep libibverbs' count right
+                ev = self._events.get(token)
+                if ev is None:  # not ours (cannot happen): keep libibverbs' count right
                     reader.ack(cq_ptr, 1)
                     continue
-                cq._cq_ptr = cq_ptr
-                cq._events_got += 1
-                return cq
+                ev.cq_ptr = cq_ptr
+                ev.got += 1
+                return ev.cq
         if not self._cqs:
             return None
         (cq,) = self._cqs.values()
@@ -126,7 +128,7 @@ class IbvCompChannel(CompChannel):
             if code in (errno.EAGAIN, errno.EWOULDBLOCK) or not probe.readable(self.fd):
                 return None
             raise RDMAError(code or errno.EIO, f"ibv_get_cq_event: {exc}") from None
-        cq._events_got += 1
+        cq._events.got += 1
         return cq
 
     def event_reader(self) -> Callable[[], IbvCQ | None]:

@@ -291,7 +291,7 @@ class IbvContext(Context):
         steps += [mr.close for pd in children if isinstance(pd, IbvPD) for mr in list(pd._mrs)]
         for cq in children:
             if isinstance(cq, IbvCQ):
-                steps += [functools.partial(cq.ack_events, cq._events_got - cq._events_acked),
+                steps += [functools.partial(cq.ack_events, cq.unacked_events()),
                           cq.close]
         steps += [c.close for c in children if isinstance(c, IbvCompChannel)]
         steps += [pd.close for pd in children if isinstance(pd, IbvPD)]

@@ -20,7 +20,7 @@ from . import clib, compat, loader, probe
 if TYPE_CHECKING:
     from .channel import IbvCompChannel
     from .context import IbvContext
-    from .fastpath import CQPoller
+    from .fastpath import CQEvents, CQPoller
     from .qp import IbvQP
 
 log = logging.getLogger("aiordma.verbs")
@@ -33,6 +33,21 @@ class _Token:
     """The ``cq_context`` of a CQ: maps a CQ_ERR async event back to its CQ."""
 
     __slots__ = ("__weakref__",)
+
+
+class _CQEvents:
+    """``fastpath.CQEvents`` where the compiled data path is not built: the
+    channel-event counts of one CQ -- events read (``got``), acknowledged (``acked``),
+    its ``struct ibv_cq *`` (``cq_ptr``: 0 until probed or told by an event) -- and the
+    CQ (``cq``)."""
+
+    __slots__ = ("cq", "cq_ptr", "got", "acked")
+
+    def __init__(self, cq: IbvCQ, cq_ptr: int = 0) -> None:
+        self.cq = cq
+        self.cq_ptr = cq_ptr
+        self.got = 0
+        self.acked = 0
 
 
 class IbvCQ(CQ):
@@ -65,14 +80,18 @@ class IbvCQ(CQ):
         self._arm: Callable[[int], int] | None = None
         self._locate(ctx)
         self._qps: dict[IbvQP, int] = {}
-        self._events_got = 0
-        self._events_acked = 0
+        # its channel events, counted where the channel's reader counts them
+        # (``IbvCompChannel.get_event``), the compiled record where built
+        fp = loader.fastpath()
+        self._events: CQEvents | _CQEvents = (
+            _CQEvents(self, self._cq_ptr) if fp is None else fp.CQEvents(self, self._cq_ptr))
         self._overrun = False
         self._closed = False
         ctx._cqs_by_token[id(self._token)] = self
         ctx._children.add(self)
         if channel is not None:
             channel._cqs[id(self._token)] = self
+            channel._events[id(self._token)] = self._events
 
     def _locate(self, ctx: IbvContext) -> None:
         """Find this CQ's C struct and poll it from now on through the compiled
@@ -205,20 +224,25 @@ class IbvCQ(CQ):
         return p.notify
 
     def ack_events(self, n: int) -> None:
-        n = min(n, self._events_got - self._events_acked)
+        ev = self._events
+        n = min(n, ev.got - ev.acked)
         if n <= 0 or self._closed:
             return
         ch = self.channel
         if ch is not None and ch._reader is not None:
-            ch._reader.ack(self._cq_ptr, n)
+            ch._reader.ack(ev.cq_ptr, n)
         else:
             self._cq.ack_events(n)
-        self._events_acked += n
+        ev.acked += n
+
+    def unacked_events(self) -> int:
+        """The channel events read for this CQ and not acknowledged yet."""
+        return self._events.got - self._events.acked
 
     def close(self) -> None:
         if self._closed:
             return
-        check_cq_close(len(self._qps), self._events_got, self._events_acked)
+        check_cq_close(len(self._qps), self._events.got, self._events.acked)
         # Events queued on the channel but not read yet do not block ibv_destroy_cq (the
         # kernel counts an event as reported when it is read, and drops unread ones).
         ch = self.channel
@@ -231,6 +255,7 @@ class IbvCQ(CQ):
             self._poller.close()  # its struct ibv_cq is gone
         if ch is not None:
             ch._cqs.pop(id(self._token), None)
+            ch._events.pop(id(self._token), None)
         self.context._cqs_by_token.pop(id(self._token), None)
         self.context._children.discard(self)
 

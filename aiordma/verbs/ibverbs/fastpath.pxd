@@ -9,7 +9,7 @@
 # CQ with arm(solicited_only). No Python object is involved per message; the GIL is not
 # needed by the *_array calls or arm.
 
-from libc.stdint cimport uint32_t
+from libc.stdint cimport uint32_t, uintptr_t
 
 from aiordma.verbs.ibverbs.libibverbs cimport (
     ibv_ack_cq_events_fn,
@@ -74,9 +74,16 @@ cdef class CQPoller:
     cdef int arm(self, int solicited_only) noexcept nogil
 
 
+cdef class CQEvents:
+    cdef readonly object cq      # the IbvCQ
+    cdef public uintptr_t cq_ptr
+    cdef public long long got
+    cdef public long long acked
+
+
 cdef class ChannelEvents:
     cdef void *channel           # NULL once closed
     cdef ibv_get_cq_event_fn get_fn
     cdef ibv_ack_cq_events_fn ack_fn
-    cdef dict cqs                # for next_cq: the channel's IbvCQs by token (attach)
+    cdef dict cqs                # for next_cq: the channel's CQEvents by token (attach)
     cdef int _read(self, ibv_cq **cq, void **ctx) except -1

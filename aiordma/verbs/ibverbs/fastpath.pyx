@@ -12,13 +12,13 @@ Python-level API, what ``IbvQP``/``IbvCQ`` call: ``QPPoster.post_send(wrs, ops)`
 ``QPPoster.post_recv(wrs)`` (each ``(errno, number posted)``), ``CQPoller.poll(n)``
 (``(count, RawWC tuples)``, as ``clib.CQPoller``), ``CQPoller.req_notify(solicited)``
 (``ibv_req_notify_cq``: 0 or an errno value), ``ChannelEvents`` (a channel's events read
-and acknowledged, as ``clib.ChannelReader``). The C-level API, for compiled callers
+and acknowledged, as ``clib.ChannelReader``, and counted in each CQ's ``CQEvents``). The C-level API, for compiled callers
 that post and poll without a Python object per message, is declared in fastpath.pxd.
 The caller checks the work requests (``verbs/contract.py``) and accounts for the queues;
 this module only refuses what would overrun its own arrays.
 
-Here: ``QPPoster`` and ``abi()``; ``fastpath_completions.pxi``: ``CQPoller`` and
-``ChannelEvents``; ``fastpath_cops.pxi``: the C-level operations.
+Here: ``QPPoster`` and ``abi()``; ``fastpath_completions.pxi``: ``CQPoller``,
+``CQEvents`` and ``ChannelEvents``; ``fastpath_cops.pxi``: the C-level operations.
 """
 
 from cpython.pycapsule cimport PyCapsule_New

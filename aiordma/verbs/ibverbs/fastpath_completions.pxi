@@ -1,6 +1,7 @@
 # The completion side of the verbs provider's compiled data path, included by
 # fastpath.pyx: ``CQPoller`` polls a CQ into a C array of ``struct ibv_wc`` and arms it,
-# ``ChannelEvents`` reads and acknowledges a completion channel's events.
+# ``ChannelEvents`` reads and acknowledges a completion channel's events, counting them
+# in each CQ's ``CQEvents``.
 
 cdef class _Tracked:
     """A QP whose completions a CQPoller accounts for (CQPoller.track)."""
@@ -107,6 +108,23 @@ cdef class CQPoller:
         return f"<CQPoller cq={<uintptr_t>self.cq:#x} entries={self.entries}>"
 
 
+cdef class CQEvents:
+    """The channel-event counts of one CQ (``IbvCQ._events``): events read (``got``),
+    acknowledged (``acked``), and the ``struct ibv_cq *`` (``cq_ptr``: 0 until probed or
+    told by an event). C fields, so that ``ChannelEvents.next_cq`` counts an event with
+    two stores and no attribute lookup on the CQ. ``cq`` is the ``IbvCQ`` it belongs to
+    (what ``next_cq`` returns)."""
+
+    def __cinit__(self, cq, uintptr_t cq_ptr=0):
+        self.cq = cq
+        self.cq_ptr = cq_ptr
+        self.got = 0
+        self.acked = 0
+
+    def __repr__(self):
+        return f"<CQEvents got={self.got} acked={self.acked}>"
+
+
 cdef class ChannelEvents:
     """The events of one completion channel (``struct ibv_comp_channel *`` as an int),
     read and acknowledged through the process's ``ibv_get_cq_event`` and
@@ -150,7 +168,7 @@ cdef class ChannelEvents:
 
     def attach(self, dict cqs):
         """For ``next_cq``: the channel's CQs by token (``IbvCompChannel``'s table: the
-        ``cq_context`` of each, as an int, to its ``IbvCQ``), kept current by the
+        ``cq_context`` of each, as an int, to its ``CQEvents``), kept current by the
         channel."""
         self.cqs = cqs
 
@@ -161,21 +179,23 @@ cdef class ChannelEvents:
 
     def next_cq(self):
         """``IbvCompChannel.get_event`` compiled (``CompChannel.event_reader``): the
-        ``IbvCQ`` of the next event -- counted in its ``_events_got``, its ``_cq_ptr``
-        learnt -- or None when none is queued (the fd is non-blocking) or once closed.
-        An event of a CQ not in the table (cannot happen) is acknowledged at once, to
-        keep libibverbs' count right, and skipped. Raises RDMAError for a failure other
-        than EAGAIN (EINTR is retried)."""
+        ``IbvCQ`` of the next event -- counted in its ``CQEvents`` (``got``, and its
+        ``cq_ptr`` learnt) -- or None when none is queued (the fd is non-blocking) or
+        once closed. An event of a CQ not in the table (cannot happen) is acknowledged
+        at once, to keep libibverbs' count right, and skipped. Raises RDMAError for a
+        failure other than EAGAIN (EINTR is retried)."""
         cdef ibv_cq *cq = NULL
         cdef void *ctx = NULL
+        cdef CQEvents ev
         while self._read(&cq, &ctx):
-            owner = None if self.cqs is None else self.cqs.get(<uintptr_t>ctx)
-            if owner is None:
+            found = None if self.cqs is None else self.cqs.get(<uintptr_t>ctx)
+            if found is None:
                 self.ack_fn(cq, 1)
                 continue
-            owner._cq_ptr = <uintptr_t>cq
-            owner._events_got += 1
-            return owner
+            ev = <CQEvents?>found
+            ev.cq_ptr = <uintptr_t>cq
+            ev.got += 1
+            return ev.cq
         return None
 
     def ack(self, uintptr_t cq_ptr, unsigned int n):
