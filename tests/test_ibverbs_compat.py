@@ -917,8 +917,25 @@ def test_a_context_dropped_open_destroys_its_objects_children_first(fake: Any) -
     assert fcq.num_events == 0 and fcq.closed
 
 
-def test_completion_channel_events(fake: Any) -> None:
+@pytest.fixture(params=["compiled", "python"])
+def event_record(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> type:
+    """The type of a CQ's channel-event counts: ``fastpath.CQEvents`` where the compiled
+    data path is built, ``cq._CQEvents`` where it is not (``loader.fastpath()`` None)."""
+    from aiordma.verbs.ibverbs import cq as ibv_cq
+
+    if request.param == "python":
+        monkeypatch.setattr(loader, "_fastpath", None)
+        monkeypatch.setattr(loader, "_fastpath_error", "not built (test)")
+        return ibv_cq._CQEvents
+    fp = loader.fastpath()
+    if fp is None:
+        pytest.skip(f"the compiled data path is not built ({loader.fastpath_error()})")
+    return fp.CQEvents  # type: ignore[no-any-return]
+
+
+def test_completion_channel_events(fake: Any, event_record: type) -> None:
     ctx, pd, ch, cq, rcq, qp = _qp_setup(fake, shared=False)
+    assert type(cq._events) is event_record
     assert not os.get_blocking(ch.fd)
     assert ch.get_event() is None  # EAGAIN
     cq.req_notify()
@@ -948,7 +965,8 @@ def test_completion_channel_events(fake: Any) -> None:
     ctx.close()
 
 
-def test_shared_channel_through_libibverbs(monkeypatch: pytest.MonkeyPatch, fake: Any) -> None:
+def test_shared_channel_through_libibverbs(monkeypatch: pytest.MonkeyPatch, fake: Any,
+                                          event_record: type) -> None:
     """With the channel's C struct found, events of several CQs share one channel and are
     acked through libibverbs (pyverbs' own per-CQ counter is never touched)."""
     ctx = _open(fake)
@@ -961,9 +979,11 @@ def test_shared_channel_through_libibverbs(monkeypatch: pytest.MonkeyPatch, fake
     assert ch._reader is not None
     cq1 = ctx.create_cq(8, ch)
     cq2 = ctx.create_cq(8, ch)
+    assert type(cq1._events) is event_record and type(cq2._events) is event_record
     lib.cq_events.extend([(0x100, id(cq2._token)), (0x200, id(cq1._token)),
                           (0x100, id(cq2._token))])
     assert ch.get_event() is cq2 and ch.get_event() is cq1 and ch.get_event() is cq2
+    assert cq2._cq_ptr == 0x100 and cq1._cq_ptr == 0x200  # the events told them
     assert ch.get_event() is None
     with pytest.raises(RDMAError, match="unacknowledged"):
         cq2.close()

@@ -60,8 +60,8 @@ class IbvCompChannel(CompChannel):
             raise
         self._reader = _reader(ptr) if ptr else None
         self.fd = fd
-        self._cqs: dict[int, IbvCQ] = {}  # id(cq token) -> CQ
-        # id(cq token) -> the CQ's event counts (IbvCQ._events), where get_event counts
+        # id(cq token) -> the event counts of each CQ on this channel (IbvCQ._events:
+        # get_event counts there, and their ``cq`` is the CQ)
         self._events: dict[int, CQEvents | _CQEvents] = {}
         # the reader when it is the compiled one (next_cq reads the table above)
         self._compiled: ChannelEvents | None = (
@@ -118,9 +118,10 @@ class IbvCompChannel(CompChannel):
                 ev.cq_ptr = cq_ptr
                 ev.got += 1
                 return ev.cq
-        if not self._cqs:
+        if not self._events:
             return None
-        (cq,) = self._cqs.values()
+        (ev,) = self._events.values()
+        cq: IbvCQ = ev.cq
         try:
             self._cc.get_cq_event(cq._cq)
         except self._pv.Error as exc:
@@ -128,7 +129,7 @@ class IbvCompChannel(CompChannel):
             if code in (errno.EAGAIN, errno.EWOULDBLOCK) or not probe.readable(self.fd):
                 return None
             raise RDMAError(code or errno.EIO, f"ibv_get_cq_event: {exc}") from None
-        cq._events.got += 1
+        ev.got += 1
         return cq
 
     def event_reader(self) -> Callable[[], IbvCQ | None]:
@@ -139,8 +140,9 @@ class IbvCompChannel(CompChannel):
     def close(self) -> None:
         if self._closed:
             return
-        if self._cqs:
-            raise RDMAError(errno.EBUSY, f"completion channel still used by {len(self._cqs)} CQ(s)")
+        if self._events:
+            raise RDMAError(errno.EBUSY,
+                            f"completion channel still used by {len(self._events)} CQ(s)")
         try:
             self._cc.close()
         except self._pv.Error as exc:

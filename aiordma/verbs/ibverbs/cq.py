@@ -61,7 +61,7 @@ class IbvCQ(CQ):
                 raise RDMAError(errno.EINVAL, "completion channel of another device context")
             if channel._closed:
                 raise RDMAError(errno.EINVAL, "completion channel is closed")
-            if channel._reader is None and channel._cqs:
+            if channel._reader is None and channel._events:
                 raise RDMAError(errno.EBUSY, "this completion channel can serve one CQ only "
                                 f"(its C struct was not found; {self._pv.describe()})")
         self._token = _Token()
@@ -72,25 +72,21 @@ class IbvCQ(CQ):
             raise ctx._error(exc, f"ibv_create_cq({cqe})") from None
         self.cqe = int(getattr(self._cq, "cqe", cqe))  # the device may round up
         self.channel: IbvCompChannel | None = channel
-        # struct ibv_cq *: probed now (for polling through ctypes), else learnt from the
-        # first channel event
-        self._cq_ptr = 0
+        # its channel events, counted where the channel's reader counts them
+        # (``IbvCompChannel.get_event``), the compiled record where built; its
+        # ``cq_ptr`` is ``_cq_ptr``
+        fp = loader.fastpath()
+        self._events: CQEvents | _CQEvents = _CQEvents(self) if fp is None else fp.CQEvents(self)
         self._poller: clib.CQPoller | CQPoller | None = None
         # the compiled ibv_req_notify_cq (fastpath.CQPoller.req_notify), where polled so
         self._arm: Callable[[int], int] | None = None
         self._locate(ctx)
         self._qps: dict[IbvQP, int] = {}
-        # its channel events, counted where the channel's reader counts them
-        # (``IbvCompChannel.get_event``), the compiled record where built
-        fp = loader.fastpath()
-        self._events: CQEvents | _CQEvents = (
-            _CQEvents(self, self._cq_ptr) if fp is None else fp.CQEvents(self, self._cq_ptr))
         self._overrun = False
         self._closed = False
         ctx._cqs_by_token[id(self._token)] = self
         ctx._children.add(self)
         if channel is not None:
-            channel._cqs[id(self._token)] = self
             channel._events[id(self._token)] = self._events
 
     def _locate(self, ctx: IbvContext) -> None:
@@ -110,7 +106,7 @@ class IbvCQ(CQ):
         if not ptr:
             log.debug("aiordma: struct ibv_cq of %r not found; polling through pyverbs", self)
             return
-        self._cq_ptr = ptr
+        self._events.cq_ptr = ptr
         fp = loader.fastpath() if mode != "ctypes" else None
         if fp is not None:
             poller = self._poller = fp.CQPoller(ptr, _POLL_ENTRIES)
@@ -121,6 +117,12 @@ class IbvCQ(CQ):
             self._poller = clib.CQPoller(ctx._ctx_ptr, ptr, _POLL_ENTRIES)
         except ValueError as exc:  # pragma: no cover - a provider without poll_cq
             log.debug("aiordma: %s; polling through pyverbs", exc)
+
+    @property
+    def _cq_ptr(self) -> int:
+        """``struct ibv_cq *``: probed at creation (for polling), else learnt from the
+        first channel event (``_events``); 0 until then."""
+        return self._events.cq_ptr
 
     @property
     def data_path(self) -> str:
@@ -254,7 +256,6 @@ class IbvCQ(CQ):
         if self._poller is not None:
             self._poller.close()  # its struct ibv_cq is gone
         if ch is not None:
-            ch._cqs.pop(id(self._token), None)
             ch._events.pop(id(self._token), None)
         self.context._cqs_by_token.pop(id(self._token), None)
         self.context._children.discard(self)

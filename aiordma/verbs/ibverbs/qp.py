@@ -82,10 +82,8 @@ class IbvQP(QP):
             words = probe.object_words(self._qp)
         except Exception:  # pragma: no cover - non-CPython
             return None
-        # (the CQs' pointers as probed, or as told by their first channel event)
-        ptr = probe.find_qp_pointer(words, ctx._ctx_ptr, self.qp_num,
-                                     self.send_cq._events.cq_ptr, self.recv_cq._events.cq_ptr,
-                                     ctx._mem.read)
+        ptr = probe.find_qp_pointer(words, ctx._ctx_ptr, self.qp_num, self.send_cq._cq_ptr,
+                                     self.recv_cq._cq_ptr, ctx._mem.read)
         if not ptr:
             log.debug("aiordma: struct ibv_qp of %r not found; posting through pyverbs", self)
             return None
